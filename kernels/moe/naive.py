@@ -1,0 +1,34 @@
+"""Naive PyTorch reference for the sparse-MoE ops (SPEC §1.8). The oracle for kernels/moe/*."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """f32 softmax over all experts, top-k, optional renormalisation.
+
+    Returns (topk_weights [T, k] f32, topk_ids [T, k] int64).
+    """
+    p = torch.softmax(router_logits.float(), dim=-1)
+    w, ids = torch.topk(p, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w, ids
+
+
+def moe_experts(x, topk_weights, topk_ids, w13, w2):
+    """sum_j w_j * W2[e_j] (silu(W1[e_j] x) * W3[e_j] x) with dense expert weights.
+
+    x [T, H]; w13 [E, 2I, H] (rows [0, I) = gate, [I, 2I) = up); w2 [E, H, I]. Accumulates in f32,
+    returns x.dtype.
+    """
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    inter = w13.shape[1] // 2
+    for e in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = x[tok].float() @ w13[e].float().t()
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = h @ w2[e].float().t()
+        out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
+    return out.to(x.dtype)

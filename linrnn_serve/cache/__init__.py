@@ -1,0 +1,22 @@
+"""Cache pools (tensors) and their allocators (free lists, CPU-testable), kept apart.
+
+`ModelCaches` hands each layer its view: `gdn_layer(n)` for the n-th GDN layer's recurrent-state
+partitions and conv state, `attn_layer(n)` for the n-th full-attention layer's KV pages.
+"""
+from linrnn_serve.cache.allocator import BlockAllocator, SlotAllocator
+from linrnn_serve.cache.kv_pool import PagedKVCache
+from linrnn_serve.cache.state_pool import HybridStateCache
+
+
+class ModelCaches:
+    def __init__(self, state: HybridStateCache, kv: PagedKVCache):
+        self.state, self.kv = state, kv
+
+    def gdn_layer(self, n: int):
+        return self.state.layer(n)
+
+    def attn_layer(self, n: int):
+        return self.kv.layer(n)
+
+
+__all__ = ["ModelCaches", "HybridStateCache", "PagedKVCache", "SlotAllocator", "BlockAllocator"]

@@ -1,0 +1,172 @@
+"""Load a checkpoint into a constructed model, checking that every parameter row is filled exactly
+once. Failures name the file, the tensor and the expected vs found shape; missing tensors are named
+by their standard checkpoint names."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from linrnn_serve.checkpoint.errors import CheckpointError
+from linrnn_serve.checkpoint.layout import Target, canonical_name, resolve, skipped, standard_names
+from linrnn_serve.checkpoint.reader import CheckpointReader, tensor_nbytes
+
+log = logging.getLogger(__name__)
+
+
+class WeightLoader:
+    """Places checkpoint tensors (by HF name) into a model built by models.build_model."""
+
+    def __init__(self, model: torch.nn.Module, skip_mtp: bool = True):
+        self.model, self.cfg, self.skip_mtp = model, model.cfg, skip_mtp
+        self.params = dict(model.named_parameters())
+        self.covered: dict[str, torch.Tensor] = {}  # param -> bool over its row dims
+        self.loaded_from: dict[str, str] = {}
+
+    # ---- placement -----------------------------------------------------------------------
+    def load(self, name: str, tensor: torch.Tensor, source: str) -> None:
+        canon = canonical_name(name)
+        if skipped(canon, self.skip_mtp):
+            return
+        targets = resolve(self.cfg, canon)
+        if targets is None:
+            raise CheckpointError(f"{source}: unexpected tensor {name} {tuple(tensor.shape)}: not part of this "
+                                  f"{self.cfg.model_type} model ({self.cfg.num_hidden_layers} layers, "
+                                  f"{self.cfg.num_experts} experts)")
+        for t in targets:
+            self._place(t, name, tensor, source)
+
+    def _place(self, tg: Target, name: str, src: torch.Tensor, source: str) -> None:
+        if tg.param is not None:
+            pname = f"{tg.module}.{tg.param}" if tg.module else tg.param
+            if tuple(src.shape) != tg.shape:
+                raise CheckpointError(f"{source}: tensor {name} has shape {tuple(src.shape)}, expected {tg.shape}")
+            val = tg.transform(src) if tg.transform else src
+            self._mark(pname, None, slice(None), name, source)
+            self.params[pname].data.copy_(val)
+            return
+        mod = self.model.get_submodule(tg.module)
+        if tg.part == "gate_up":  # fused 3-D experts: both halves at once
+            group, start, rows, gpath = mod.w13, 0, mod.w13.n, "w13"
+        else:
+            group, start, rows, gpath = mod.locate(tg.part)
+        specs = group.checkpoint_tensors(rows)
+        spec = specs.get(tg.suffix)
+        if spec is None:
+            raise CheckpointError(
+                f"{source}: tensor {name}: this model stores {tg.module} ({tg.part}) as {group.fmt}, "
+                f"which has no '{tg.suffix}' tensor (expects {sorted(specs)}); check the quantization config")
+        val = tg.transform(src) if tg.transform else src
+        want = ((group.experts,) if tg.all_experts else ()) + spec.shape
+        if tuple(val.shape) != want and not (val.numel() == 1 and spec.shape in ((), (1,))):
+            extra = "" if val.shape == src.shape else f" (de-interleaved {tuple(val.shape)})"
+            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(src.shape)}{extra}, expected {want}")
+        if spec.attr is None:  # recognised but unused (e.g. input_scale of a weight-only kernel)
+            return
+        pname = f"{tg.module}.{gpath}.{spec.attr}"
+        dst = getattr(group, spec.attr)
+        if tg.expert is not None:
+            dst = dst[tg.expert]
+        elif tg.all_experts:
+            dst = dst.transpose(0, 1)[start:start + rows].transpose(0, 1)  # rows are dim 1
+        if not tg.all_experts:
+            dst = dst[start:start + rows]
+        self._mark(pname, tg.expert, slice(start, start + rows), name, source)
+        dst.copy_(spec.transform(val, dst) if spec.transform else val)
+
+    def _mark(self, pname, expert, rows, name, source):
+        """Record that `rows` of `pname` (for one expert, or all) are filled; reject overlaps."""
+        p = self.params[pname]
+        kind = self._kind(pname)
+        if pname not in self.covered:
+            shape = {"plain": (1,), "rows": p.shape[:1], "expert": p.shape[:2]}[kind]
+            self.covered[pname] = torch.zeros(shape, dtype=torch.bool)
+        cov = self.covered[pname]
+        if kind == "plain":
+            region = cov
+        elif kind == "rows":
+            region = cov[rows]
+        else:
+            region = cov[expert, rows] if expert is not None else cov[:, rows]
+        if region.any():
+            raise CheckpointError(f"{source}: tensor {name} fills {pname} rows that were already loaded "
+                                  f"(from {self.loaded_from.get(pname, '?')}): duplicate tensor")
+        region.fill_(True)
+        self.loaded_from[pname] = name
+
+    @staticmethod
+    def _kind(pname: str) -> str:
+        if ".experts.w13." in pname or ".experts.w2." in pname:
+            return "expert"
+        if ".groups." in pname:
+            return "rows"
+        return "plain"
+
+    # ---- completion ----------------------------------------------------------------------
+    def finish(self, source: str) -> None:
+        cfg = self.cfg
+        head = "lm_head.groups.0.weight"
+        if cfg.tie_word_embeddings and head in self.params and not self._complete(head):
+            self.params[head].data.copy_(self.params["embed_tokens"])
+            self.covered[head] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+        incomplete = [n for n in self.params if not self._complete(n)]
+        if not incomplete:
+            return
+        missing = [n for n in standard_names(cfg, self._required_suffixes) if not self._name_covered(n)]
+        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise CheckpointError(f"{source}: checkpoint is missing tensors: {shown or incomplete[:8]}")
+
+    def _complete(self, pname: str) -> bool:
+        cov = self.covered.get(pname)
+        return cov is not None and bool(cov.all())
+
+    def _required_suffixes(self, hf_module: str) -> list[str]:
+        targets = resolve(self.cfg, hf_module + ".weight") or []
+        for tg in targets:
+            mod = self.model.get_submodule(tg.module)
+            group = mod.locate(tg.part)[0]
+            return [s for s, spec in group.checkpoint_tensors(1).items() if not spec.optional]
+        return ["weight"]
+
+    def _name_covered(self, canon: str) -> bool:
+        for tg in resolve(self.cfg, canon) or []:
+            if tg.param is not None:
+                if not self._complete(f"{tg.module}.{tg.param}" if tg.module else tg.param):
+                    return False
+                continue
+            mod = self.model.get_submodule(tg.module)
+            group, start, rows, gpath = mod.locate(tg.part)
+            spec = group.checkpoint_tensors(rows).get(tg.suffix)
+            if spec is None or spec.attr is None:
+                continue
+            cov = self.covered.get(f"{tg.module}.{gpath}.{spec.attr}")
+            if cov is None:
+                return False
+            region = cov[tg.expert] if tg.expert is not None else cov
+            if not bool(region[start:start + rows].all()):
+                return False
+        return True
+
+
+def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, progress: bool = True,
+                    skip_mtp: bool = True) -> None:
+    reader = CheckpointReader(path)
+    loader = WeightLoader(model, skip_mtp)
+    with tqdm(total=reader.nbytes(), unit="B", unit_scale=True, desc="Loading checkpoint",
+              disable=not progress) as bar:
+        for name, t, fn in reader.iter_tensors():
+            loader.load(name, t, os.path.join(str(path), fn))
+            bar.update(tensor_nbytes(t))
+    loader.finish(str(path))
+
+
+def load_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str,
+                 progress: bool = False) -> None:
+    """Load from an in-memory stream of (HF name, tensor): `--load-format dummy` and tests."""
+    loader = WeightLoader(model)
+    for name, t in tqdm(tensors, desc="Initialising weights", disable=not progress):
+        loader.load(name, t, source)
+    loader.finish(source)

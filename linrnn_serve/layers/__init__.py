@@ -1,0 +1,1 @@
+"""One sublayer per module, each owning its weights and choosing its kernels."""

@@ -1,0 +1,50 @@
+"""Gated full attention (SPEC §1.7): per-head [q | gate] interleave, ZC q/k norm, partial NeoX RoPE,
+GQA over the paged KV cache, sigmoid output gate.
+
+q_proj, k_proj and v_proj form one FusedLinear `qkv_proj` with parts
+q (Hq * 2D rows, per-head [q_h | gate_h]), k (Hkv*D), v (Hkv*D).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import linrnn_kernels.attention as attn_ops
+from linrnn_serve.batch import AttnLayerState, ForwardBatch
+from linrnn_serve.config import ModelConfig
+from linrnn_serve.layers.linear import DenseWeights, FusedLinear, Linear
+from linrnn_serve.layers.norms import zc_rmsnorm
+from linrnn_serve.layers.rotary import PartialRotary
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt=lambda name: DenseWeights):
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.d ** -0.5
+        self.qkv_proj = FusedLinear(
+            cfg.hidden_size,
+            [("q", self.hq * self.d * 2), ("k", self.hkv * self.d), ("v", self.hkv * self.d)],
+            dtype,
+            {p: fmt(f"self_attn.{p}_proj") for p in ("q", "k", "v")},
+        )
+        self.q_norm = nn.Parameter(torch.zeros(self.d, dtype=dtype), requires_grad=False)
+        self.k_norm = nn.Parameter(torch.zeros(self.d, dtype=dtype), requires_grad=False)
+        self.o_proj = Linear(self.hq * self.d, cfg.hidden_size, dtype, fmt("self_attn.o_proj"))
+        self.rotary = PartialRotary(cfg.rotary_dim, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, st: AttnLayerState) -> torch.Tensor:
+        T = x.shape[0]
+        qg, k, v = torch.split(self.qkv_proj(x), [self.hq * self.d * 2, self.hkv * self.d, self.hkv * self.d], -1)
+        qg = qg.reshape(T, self.hq, 2 * self.d)
+        q, gate = qg[..., : self.d], qg[..., self.d:].reshape(T, self.hq * self.d)
+        q = zc_rmsnorm(q, self.q_norm, self.eps)
+        k = zc_rmsnorm(k.reshape(T, self.hkv, self.d), self.k_norm, self.eps)
+        v = v.reshape(T, self.hkv, self.d)
+        q, k = self.rotary(batch.positions, q, k)
+        attn_ops.write_kv(k, v, st.k_cache, st.v_cache, batch.slot_mapping)
+        o = attn_ops.paged_attention(q, st.k_cache, st.v_cache, batch.cu_seqlens, batch.seq_lens,
+                                     batch.block_tables, self.scale)
+        o = o.reshape(T, self.hq * self.d) * torch.sigmoid(gate)
+        return self.o_proj(o)

@@ -1,0 +1,77 @@
+"""Sparse MoE block with a sigmoid-gated shared expert (SPEC §1.8), and the dense MLP of Qwen3-Next's
+non-MoE layers (SPEC §1.2).
+
+The router (`mlp.gate`, E rows) and `shared_expert_gate` (1 row) are never quantized (SPEC §2.2) and
+form one FusedLinear `gate` (parts router, shared_gate): one GEMM.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import linrnn_kernels.moe as moe_ops
+from linrnn_serve.config import ModelConfig
+from linrnn_serve.layers.linear import DenseWeights, FusedLinear, Linear
+
+
+class MLP(nn.Module):
+    """silu(gate(x)) * up(x) -> down; gate/up are parts of one FusedLinear. `prefix` is the HF
+    module path ("mlp" or "mlp.shared_expert") used to look up storage formats."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fmt=lambda name: DenseWeights,
+                 prefix: str = "mlp"):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = FusedLinear(hidden, [("gate", inter), ("up", inter)], dtype,
+                                        {p: fmt(f"{prefix}.{p}_proj") for p in ("gate", "up")})
+        self.down_proj = Linear(inter, hidden, dtype, fmt(f"{prefix}.down_proj"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        return self.down_proj(F.silu(h[..., : self.inter]) * h[..., self.inter:])
+
+
+class Experts(nn.Module):
+    """Routed experts: w13 [E, 2I, H] (rows [gate | up]) and w2 [E, H, I], in one storage format."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt: type = DenseWeights):
+        super().__init__()
+        E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.inter = I
+        self.w13 = fmt(2 * I, H, dtype, experts=E)
+        self.w2 = fmt(H, I, dtype, experts=E)
+
+    def locate(self, part: str):
+        """Checkpoint part (gate/up/down) -> (weight module, first row, rows, path)."""
+        if part == "down":
+            return self.w2, 0, self.w2.n, "w2"
+        return self.w13, (0 if part == "gate" else self.inter), self.inter, "w13"
+
+    def forward(self, x, topk_weights, topk_ids):
+        if self.w13.fmt != "dense":
+            return self.w13.moe_forward(x, topk_weights, topk_ids, self.w2)
+        return moe_ops.moe_experts(x, topk_weights, topk_ids, self.w13.weight, self.w2.weight)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt=lambda name: DenseWeights):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.has_shared = cfg.shared_expert_intermediate_size > 0
+        parts = [("router", self.num_experts)] + ([("shared_gate", 1)] if self.has_shared else [])
+        self.gate = FusedLinear(cfg.hidden_size, parts, dtype)
+        self.experts = Experts(cfg, dtype, fmt("mlp.experts"))
+        if self.has_shared:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, fmt,
+                                     prefix="mlp.shared_expert")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        topk_w, topk_ids = moe_ops.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+        # transformers casts the routing weights to the activation dtype before use
+        y = self.experts(x, topk_w.to(x.dtype), topk_ids)
+        if self.has_shared:
+            y = y + torch.sigmoid(logits[:, self.num_experts:]) * self.shared_expert(x)
+        return y

@@ -1,0 +1,84 @@
+"""Qwen3.5-MoE / Qwen3-Next text decoder (SPEC §1.3).
+
+    h = Embed(ids)
+    for each layer: h += Mixer(ZC-RMSNorm(h))   # GatedDeltaNet or GatedAttention
+                    h += MoE(ZC-RMSNorm(h))     # or a dense MLP on Qwen3-Next's mlp_only layers
+    logits = lm_head(ZC-RMSNorm(h))             # untied
+
+The forward runs one flattened varlen batch (linrnn_serve/batch.py) against the caches' per-layer
+views; the same code serves prefill, chunked prefill and decode, on CPU (reference ops) and GPU.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from linrnn_serve.batch import ForwardBatch
+from linrnn_serve.config import ModelConfig
+from linrnn_serve.layers.attention import GatedAttention
+from linrnn_serve.layers.gdn import GatedDeltaNet
+from linrnn_serve.layers.linear import DenseWeights, Linear
+from linrnn_serve.layers.moe import MLP, SparseMoE
+from linrnn_serve.layers.norms import ZCRMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, dtype: torch.dtype, quant):
+        super().__init__()
+        # storage format of each HF module of this layer (dense unless the checkpoint quantizes it)
+        fmt = (lambda name: quant.format_of(f"model.layers.{i}.{name}")) if quant else (lambda name: DenseWeights)
+        self.is_gdn = cfg.layer_types[i] == "linear_attention"
+        self.input_layernorm = ZCRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = ZCRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if self.is_gdn:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, fmt)
+        else:
+            self.self_attn = GatedAttention(cfg, dtype, fmt)
+        if cfg.is_moe_layer(i):
+            self.mlp = SparseMoE(cfg, dtype, fmt)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fmt)
+
+    def forward(self, h, batch: ForwardBatch, st):
+        mixer = self.linear_attn if self.is_gdn else self.self_attn
+        h = h + mixer(self.input_layernorm(h), batch, st)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HybridMoEForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant=None):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, quant) for i in range(cfg.num_hidden_layers))
+        self.norm = ZCRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype,
+                              quant.format_of("lm_head") if quant else DenseWeights)
+        # global layer index -> index into the GDN state pool / the paged KV cache
+        self.gdn_index = {li: n for n, li in enumerate(cfg.gdn_layers)}
+        self.attn_index = {li: n for n, li in enumerate(cfg.attn_layers)}
+
+    def forward(self, batch: ForwardBatch, caches, all_logits: bool = False) -> torch.Tensor:
+        """Logits [B, V] for each sequence's last token (or [T, V] for every token if all_logits,
+        or the rows in batch.logits_indices)."""
+        h = self.hidden_states(batch, caches)
+        if all_logits:
+            idx = None
+        elif batch.logits_indices is not None:
+            idx = batch.logits_indices
+        else:
+            idx = batch.last_token_indices()
+        if idx is not None:
+            h = h.index_select(0, idx)
+        return self.lm_head(self.norm(h))
+
+    def hidden_states(self, batch: ForwardBatch, caches) -> torch.Tensor:
+        h = self.embed_tokens[batch.input_ids]
+        for i, layer in enumerate(self.layers):
+            st = caches.gdn_layer(self.gdn_index[i]) if layer.is_gdn else caches.attn_layer(self.attn_index[i])
+            h = layer(h, batch, st)
+        return h
+
+
+__all__ = ["HybridMoEForCausalLM", "DecoderLayer"]

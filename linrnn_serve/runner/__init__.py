@@ -1,0 +1,1 @@
+"""Device inputs, CUDA-graph capture/replay per batch bucket, and sampling."""
