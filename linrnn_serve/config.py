@@ -281,3 +281,25 @@ def _parse_rope(text: dict[str, Any]) -> tuple[float, float]:
     if not (0 < partial <= 1):
         raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {partial!r}")
     return float(theta), float(partial)
+
+
+@dataclass
+class EngineConfig:
+    """What the CLI / LLM(...) / AsyncLLMEngine are constructed from (vLLM-style names)."""
+
+    model: str  # checkpoint dir, HF repo id, or preset name (linrnn_serve.presets)
+    load_format: str = "auto"  # "auto" | "dummy" (random weights of the real shapes, no download)
+    dtype: str = "auto"  # "auto" (bf16 on GPU, f32 on CPU) | "bfloat16" | "float32"
+    device: str = "auto"  # "auto" | "cuda" | "cpu"
+    max_model_len: int | None = None  # default: min(config max_position_embeddings, 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # chunked-prefill token budget per step
+    gpu_memory_utilization: float = 0.90
+    block_size: int = 16
+    enforce_eager: bool = False  # no CUDA graphs
+    ssm_bf16_tau: float = math.inf  # heads with decay timescale <= tau keep bf16 state (inf: all f32)
+    ssm_calibration: str | None = None  # text file for tier-2 calibration (classifier.py)
+    seed: int = 0
+    max_queue_len: int = 1024  # waiting requests beyond this are refused (HTTP 503)
+    served_model_name: str | None = None
+    num_kv_blocks: int | None = None  # override the memory-budget computation (tests)

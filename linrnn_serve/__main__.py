@@ -1,0 +1,5 @@
+import sys
+
+from linrnn_serve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Step loop, async bridge (per-request queues), tokenizer ownership, abort. Knows no HTTP."""

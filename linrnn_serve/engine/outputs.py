@@ -1,0 +1,38 @@
+"""What the engine hands back per request (cumulative: each yield carries everything so far)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n samples
+    text: str  # detokenized output so far (stop strings removed unless include_stop_str_in_output)
+    token_ids: list[int]
+    # per generated token: {token_id: logprob} holding the sampled token and the top-N alternatives
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # first entry None (no context)
+    metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time, ...
+
+
+class EngineFullError(RuntimeError):
+    """The waiting queue is at max_queue_len: the request is refused (HTTP 503)."""
+
+
+class PromptTooLongError(ValueError):
+    """Prompt plus max_tokens cannot fit the model's context (HTTP 400)."""
