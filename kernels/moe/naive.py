@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from linrnn_kernels.quant import WeightTensor
+
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """f32 softmax over all experts, top-k, optional renormalisation.
@@ -17,18 +19,23 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return w, ids
 
 
-def moe_experts(x, topk_weights, topk_ids, w13, w2):
-    """sum_j w_j * W2[e_j] (silu(W1[e_j] x) * W3[e_j] x) with dense expert weights.
+def expert_weight(w: WeightTensor, e: int) -> WeightTensor:
+    """Expert e's slice of stacked expert weights."""
+    return WeightTensor(w.fmt, *(None if t is None else t[e] for t in (w.data, w.block_scale, w.row_scale)))
 
-    x [T, H]; w13 [E, 2I, H] (rows [0, I) = gate, [I, 2I) = up); w2 [E, H, I]. Accumulates in f32,
-    returns x.dtype.
+
+def moe_experts(x, topk_weights, topk_ids, w13: WeightTensor, w2: WeightTensor):
+    """sum_j w_j * W2[e_j] (silu(W1[e_j] x) * W3[e_j] x), dequantizing only the experts hit.
+
+    x [T, H]; w13 [E, 2I, H] (rows [0, I) = gate, [I, 2I) = up); w2 [E, H, I] (any WeightTensor
+    format). Accumulates in f32, returns x.dtype.
     """
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
-    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], w2.out_features, dtype=torch.float32, device=x.device)
+    inter = w13.out_features // 2
     for e in topk_ids.unique().tolist():
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-        h = x[tok].float() @ w13[e].float().t()
+        h = x[tok].float() @ expert_weight(w13, e).dequantize().t()
         h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = h @ w2[e].float().t()
+        y = h @ expert_weight(w2, e).dequantize().t()
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)

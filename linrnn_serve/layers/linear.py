@@ -9,6 +9,7 @@ A storage format is a module class (`DenseWeights` here; NVFP4 / FP8 in layers/q
   fmt                      name used in logs and the checkpoint layout
   __init__(n, k, dtype, experts=None)   weights for n output rows (optionally per expert)
   forward(x)               x [T, K] -> [T, n]   (non-expert weights)
+  weight_tensor()          the kernels' WeightTensor view (linrnn_kernels.quant)
   checkpoint_tensors(...)  checkpoint suffix -> (attribute, expected shape, transform) per row range
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from linrnn_kernels.quant import WeightTensor
 
 
 @dataclass
@@ -42,6 +45,9 @@ class DenseWeights(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+    def weight_tensor(self) -> WeightTensor:
+        return WeightTensor("dense", self.weight)
 
     def checkpoint_tensors(self, rows: int) -> dict[str, TensorSpec]:
         return {"weight": TensorSpec("weight", (rows, self.k))}

@@ -49,9 +49,7 @@ class Experts(nn.Module):
         return self.w13, (0 if part == "gate" else self.inter), self.inter, "w13"
 
     def forward(self, x, topk_weights, topk_ids):
-        if self.w13.fmt != "dense":
-            return self.w13.moe_forward(x, topk_weights, topk_ids, self.w2)
-        return moe_ops.moe_experts(x, topk_weights, topk_ids, self.w13.weight, self.w2.weight)
+        return moe_ops.moe_experts(x, topk_weights, topk_ids, self.w13.weight_tensor(), self.w2.weight_tensor())
 
 
 class SparseMoE(nn.Module):
