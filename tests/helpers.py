@@ -115,3 +115,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if torch.isnan(a).any() or torch.isnan(b).any():
         return float("inf")
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b||_F / ||b||_F (NaN anywhere fails): the bf16 tolerance metric."""
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return float("inf")
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()

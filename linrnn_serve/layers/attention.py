@@ -10,11 +10,10 @@ import torch
 from torch import nn
 
 import linrnn_kernels.attention as attn_ops
+import linrnn_kernels.norm as norm_ops
 from linrnn_serve.batch import AttnLayerState, ForwardBatch
 from linrnn_serve.config import ModelConfig
 from linrnn_serve.layers.linear import DenseWeights, FusedLinear, Linear
-from linrnn_serve.layers.norms import zc_rmsnorm
-from linrnn_serve.layers.rotary import PartialRotary
 
 
 class GatedAttention(nn.Module):
@@ -32,17 +31,19 @@ class GatedAttention(nn.Module):
         self.q_norm = nn.Parameter(torch.zeros(self.d, dtype=dtype), requires_grad=False)
         self.k_norm = nn.Parameter(torch.zeros(self.d, dtype=dtype), requires_grad=False)
         self.o_proj = Linear(self.hq * self.d, cfg.hidden_size, dtype, fmt("self_attn.o_proj"))
-        self.rotary = PartialRotary(cfg.rotary_dim, cfg.rope_theta)
+        # partial NeoX RoPE frequencies; cos/sin come from positions on the fly (graph-static shapes)
+        rd = cfg.rotary_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+        self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, st: AttnLayerState) -> torch.Tensor:
         T = x.shape[0]
         qg, k, v = torch.split(self.qkv_proj(x), [self.hq * self.d * 2, self.hkv * self.d, self.hkv * self.d], -1)
         qg = qg.reshape(T, self.hq, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d:].reshape(T, self.hq * self.d)
-        q = zc_rmsnorm(q, self.q_norm, self.eps)
-        k = zc_rmsnorm(k.reshape(T, self.hkv, self.d), self.k_norm, self.eps)
+        q, k = norm_ops.qk_norm_rope(q, k.reshape(T, self.hkv, self.d), self.q_norm, self.k_norm,
+                                     batch.positions, self.inv_freq, self.eps)
         v = v.reshape(T, self.hkv, self.d)
-        q, k = self.rotary(batch.positions, q, k)
         attn_ops.write_kv(k, v, st.k_cache, st.v_cache, batch.slot_mapping)
         o = attn_ops.paged_attention(q, st.k_cache, st.v_cache, batch.cu_seqlens, batch.seq_lens,
                                      batch.block_tables, self.scale)

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import linrnn_kernels.gdn as gdn_ops
+import linrnn_kernels.norm as norm_ops
 from linrnn_serve.batch import ForwardBatch, GDNLayerState
 from linrnn_serve.config import ModelConfig
 from linrnn_serve.layers.linear import DenseWeights, FusedLinear, Linear
-from linrnn_serve.layers.norms import gated_rmsnorm
 
 
 class GatedDeltaNet(nn.Module):
@@ -54,5 +54,5 @@ class GatedDeltaNet(nn.Module):
         else:
             o = gdn_ops.gdn_prefill(q, k, v, a, b, self.A_log, self.dt_bias, batch.cu_seqlens, *pools,
                                     batch.state_indices)
-        y = gated_rmsnorm(o, z.reshape(T, self.hv, self.dv), self.norm_weight, self.eps)
+        y = norm_ops.gated_rmsnorm(o, z.reshape(T, self.hv, self.dv), self.norm_weight, self.eps)
         return self.out_proj(y.reshape(T, self.value_dim))

@@ -7,10 +7,10 @@ form one FusedLinear `gate` (parts router, shared_gate): one GEMM.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import linrnn_kernels.moe as moe_ops
+import linrnn_kernels.norm as norm_ops
 from linrnn_serve.config import ModelConfig
 from linrnn_serve.layers.linear import DenseWeights, FusedLinear, Linear
 
@@ -28,8 +28,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, dtype, fmt(f"{prefix}.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        return self.down_proj(F.silu(h[..., : self.inter]) * h[..., self.inter:])
+        return self.down_proj(norm_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class Experts(nn.Module):

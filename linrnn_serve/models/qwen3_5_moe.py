@@ -39,10 +39,13 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fmt)
 
-    def forward(self, h, batch: ForwardBatch, st):
+    def forward(self, h, residual, batch: ForwardBatch, st):
+        """(sublayer output, residual stream): each norm is fused with the preceding residual add."""
         mixer = self.linear_attn if self.is_gdn else self.self_attn
-        h = h + mixer(self.input_layernorm(h), batch, st)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, residual = self.input_layernorm(h, residual)
+        h = mixer(x, batch, st)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class HybridMoEForCausalLM(nn.Module):
@@ -71,14 +74,15 @@ class HybridMoEForCausalLM(nn.Module):
             idx = batch.last_token_indices()
         if idx is not None:
             h = h.index_select(0, idx)
-        return self.lm_head(self.norm(h))
+        return self.lm_head(h)
 
     def hidden_states(self, batch: ForwardBatch, caches) -> torch.Tensor:
-        h = self.embed_tokens[batch.input_ids]
+        """Final-normed hidden states [T, H]."""
+        h, residual = self.embed_tokens[batch.input_ids], None
         for i, layer in enumerate(self.layers):
             st = caches.gdn_layer(self.gdn_index[i]) if layer.is_gdn else caches.attn_layer(self.attn_index[i])
-            h = layer(h, batch, st)
-        return h
+            h, residual = layer(h, residual, batch, st)
+        return self.norm(h, residual)[0]
 
 
 __all__ = ["HybridMoEForCausalLM", "DecoderLayer"]

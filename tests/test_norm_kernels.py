@@ -1,0 +1,74 @@
+"""Fused row-wise kernels (kernels/norm) vs their naive references; CPU runs them under
+TRITON_INTERPRET=1, the gpu-marked test at the model's real widths."""
+import pytest
+import torch
+
+from helpers import rel_err, rel_fro
+from linrnn_kernels.norm import fused, naive
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def _err(a, b):
+    """f32: max-abs relative; bf16: relative Frobenius (rounding-order differences of an ulp)."""
+    return rel_err(a, b) if a.dtype == torch.float32 else rel_fro(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_res", [False, True])
+def test_add_rmsnorm(dtype, with_res):
+    x = torch.randn(5, 96, device=DEV).to(dtype)
+    r = torch.randn(5, 96, device=DEV).to(dtype) if with_res else None
+    w = (0.1 * torch.randn(96, device=DEV)).to(dtype)
+    y, h = fused.add_rmsnorm(x, r, w, 1e-6)
+    ry, rh = naive.add_rmsnorm(x, r, w, 1e-6)
+    assert _err(y, ry) <= _tol(dtype)
+    # the residual sum is one rounding of an f32 add: exact in f32; on the CPU interpreter bf16 casts
+    # may round differently from torch by one ulp
+    assert torch.equal(h, rh) if (dtype == torch.float32 or DEV == "cuda") else _err(h, rh) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rmsnorm_strided_gate(dtype):
+    T, H, D = 3, 4, 32
+    proj = torch.randn(T, 2 * H * D + 7, device=DEV).to(dtype)
+    z = proj[:, 5:5 + H * D].reshape(T, H, D)  # a strided view, as in the GDN layer
+    x = torch.randn(T, H, D, device=DEV).to(dtype)
+    w = (1 + 0.1 * torch.randn(D, device=DEV)).to(dtype)
+    assert _err(fused.gated_rmsnorm(x, z, w, 1e-6), naive.gated_rmsnorm(x, z, w, 1e-6)) <= _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    h = torch.randn(7, 2 * 48, device=DEV).to(dtype)
+    assert _err(fused.silu_mul(h), naive.silu_mul(h)) <= _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope(dtype):
+    T, HQ, HK, D, rd = 6, 4, 2, 32, 8
+    qkv = torch.randn(T, HQ * 2 * D + 2 * HK * D, device=DEV).to(dtype)
+    q = qkv[:, : HQ * 2 * D].reshape(T, HQ, 2 * D)[..., :D]  # per-head [q | gate] interleave
+    k = qkv[:, HQ * 2 * D: HQ * 2 * D + HK * D].reshape(T, HK, D)
+    qw, kw = (0.1 * torch.randn(D, device=DEV)).to(dtype), (0.1 * torch.randn(D, device=DEV)).to(dtype)
+    pos = torch.tensor([0, 1, 5, 100, 4000, 70000], device=DEV)
+    inv = 1.0 / (1e7 ** (torch.arange(0, rd, 2, dtype=torch.float32, device=DEV) / rd))
+    qo, ko = fused.qk_norm_rope(q, k, qw, kw, pos, inv, 1e-6)
+    rq, rk = naive.qk_norm_rope(q, k, qw, kw, pos, inv, 1e-6)
+    assert _err(qo, rq) <= _tol(dtype) and _err(ko, rk) <= _tol(dtype)
+
+
+@pytest.mark.gpu
+def test_model_widths_on_gpu():
+    x, r = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16), torch.randn(64, 2048, device="cuda",
+                                                                                    dtype=torch.bfloat16)
+    w = 0.1 * torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    assert _err(fused.add_rmsnorm(x, r, w, 1e-6)[0], naive.add_rmsnorm(x, r, w, 1e-6)[0]) <= 1e-2
+    o, z = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16), torch.randn(64, 32, 128, device="cuda",
+                                                                                       dtype=torch.bfloat16)
+    gw = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+    assert _err(fused.gated_rmsnorm(o, z, gw, 1e-6), naive.gated_rmsnorm(o, z, gw, 1e-6)) <= 1e-2
