@@ -1,0 +1,197 @@
+"""`linrnn-serve bench serve`: a streaming load generator for any OpenAI-compatible server, with
+vLLM `bench serve` definitions (BENCH.md "Serving benchmark"):
+
+  TTFT  time from sending the request to the first streamed token
+  TPOT  (E2E latency - TTFT) / (output tokens - 1), per request
+  ITL   every gap between consecutive streamed chunks, pooled over requests
+  E2EL  end-to-end request latency
+  output tok/s = generated tokens / duration; total tok/s = (prompt + generated) / duration;
+  request throughput = completed requests / duration. Mean, median and p99 of each latency.
+
+Prompts are random token-id lists of a fixed length (the completions API accepts token ids; vLLM
+and linrnn-serve both do), outputs a fixed length via max_tokens + ignore_eos, a fixed seed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def send_request(client: httpx.AsyncClient, base_url: str, model: str, prompt, max_tokens: int,
+                       api_key: str | None = None, extra: dict | None = None) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body.update(extra or {})
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    n_prompt = len(prompt) if isinstance(prompt, list) else 0
+    res = RequestResult(ok=False, prompt_tokens=n_prompt)
+    start = time.perf_counter()
+    last = start
+    chunks = 0
+    try:
+        async with client.stream("POST", base_url.rstrip("/") + "/v1/completions", json=body,
+                                 headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if msg.get("usage"):
+                    res.output_tokens = msg["usage"].get("completion_tokens", res.output_tokens)
+                    res.prompt_tokens = msg["usage"].get("prompt_tokens", res.prompt_tokens)
+                choices = msg.get("choices") or []
+                if not choices or not choices[0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+                chunks += 1
+        res.latency = time.perf_counter() - start
+        res.output_tokens = res.output_tokens or chunks
+        res.ok = chunks > 0
+        if not res.ok:
+            res.error = "no tokens streamed"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _stats(values: list[float], scale: float = 1000.0) -> dict:
+    if not values:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    v = sorted(values)
+    from linrnn_bench.kl_stats import percentile
+
+    return {"mean": statistics.fmean(v) * scale, "median": statistics.median(v) * scale,
+            "p99": percentile(v, 99.0) * scale}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot),
+        "itl_ms": _stats([g for r in ok for g in r.itl]), "e2el_ms": _stats([r.latency for r in ok]),
+    }
+
+
+def random_prompts(n: int, input_len: int, seed: int, id_range: tuple[int, int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*id_range) for _ in range(input_len)] for _ in range(n)]
+
+
+async def run_benchmark(base_url: str, model: str, prompts: list, output_len: int, max_concurrency: int,
+                        request_rate: float = float("inf"), seed: int = 0, warmup_prompts: list = (),
+                        api_key: str | None = None, timeout: float = 600.0) -> dict:
+    limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        # warm-up, not measured: also opens up to max_concurrency pooled connections
+        warm = list(warmup_prompts)
+        for i in range(0, len(warm), max_concurrency):
+            await asyncio.gather(*(send_request(client, base_url, model, p, min(output_len, 4), api_key)
+                                   for p in warm[i: i + max_concurrency]))
+        sem = asyncio.Semaphore(max_concurrency)
+        rng = random.Random(seed)
+
+        async def one(p):
+            async with sem:
+                return await send_request(client, base_url, model, p, output_len, api_key)
+
+        tasks = []
+        start = time.perf_counter()
+        for p in prompts:
+            tasks.append(asyncio.create_task(one(p)))
+            if request_rate != float("inf"):  # Poisson arrivals
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    out = summarize(results, duration)
+    out.update(max_concurrency=max_concurrency, request_rate=request_rate, num_prompts=len(prompts),
+               input_len=len(prompts[0]) if prompts and isinstance(prompts[0], list) else None,
+               output_len=output_len)
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("| concurrency | req/s | out tok/s | total tok/s | TTFT mean / p99 ms | TPOT mean / p99 ms | "
+            "ITL median / p99 ms | E2EL mean ms | failed |")
+    lines = [head, "|" + "---:|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['max_concurrency']} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+            f"{r['total_token_throughput']:.1f} | {r['ttft_ms']['mean']:.1f} / {r['ttft_ms']['p99']:.1f} | "
+            f"{r['tpot_ms']['mean']:.2f} / {r['tpot_ms']['p99']:.2f} | "
+            f"{r['itl_ms']['median']:.2f} / {r['itl_ms']['p99']:.2f} | {r['e2el_ms']['mean']:.1f} | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name sent in requests (default: first of /v1/models)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=None, help="default: 4 x concurrency (at least 8)")
+    p.add_argument("--max-concurrency", default="1,8,32,64", help="comma list: one run per value")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    p.add_argument("--token-id-range", default="100,1000", help="random prompt token ids are drawn from [lo, hi)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="warm-up rounds of max_concurrency requests each")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--out", default=None, help="write results JSON here")
+
+
+def run(args) -> int:
+    base = args.base_url.rstrip("/")
+    model = args.model
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if model is None:
+        model = httpx.get(base + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    lo, hi = (int(x) for x in args.token_id_range.split(","))
+    rows = []
+    for conc in [int(c) for c in str(args.max_concurrency).split(",")]:
+        n = args.num_prompts or max(8, 4 * conc)
+        n_warm = args.warmup * conc
+        prompts = random_prompts(n + n_warm, args.input_len, args.seed, (lo, hi))
+        r = asyncio.run(run_benchmark(base, model, prompts[n_warm:], args.output_len, conc,
+                                      args.request_rate, args.seed, prompts[:n_warm], args.api_key))
+        rows.append(r)
+        print(format_table([r]).splitlines()[-1], flush=True)
+    print(format_table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"base_url": base, "model": model, "runs": rows, "args": vars(args)}, f, indent=1,
+                      default=str)
+    return 0 if all(r["failed"] == 0 for r in rows) else 1

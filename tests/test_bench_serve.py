@@ -1,0 +1,96 @@
+"""`bench serve` measures TTFT / TPOT / ITL correctly against a fake streaming server with known
+delays (issue #7)."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")
+from fastapi import FastAPI  # noqa: E402
+from fastapi.responses import StreamingResponse  # noqa: E402
+
+from linrnn_bench.serve import format_table, random_prompts, run_benchmark  # noqa: E402
+
+FIRST, GAP, N = 0.15, 0.05, 6  # first token after 150 ms, then one every 50 ms, 6 tokens
+
+
+def _fake_app():
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        async def gen():
+            await asyncio.sleep(FIRST)
+            for i in range(N):
+                if i:
+                    await asyncio.sleep(GAP)
+                yield "data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i}"}]}) + "\n\n"
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": N, "total_tokens": 0}
+            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_fake_app(), host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    for _ in range(100):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    t.join(timeout=10)
+
+
+def test_latency_definitions(fake_server):
+    prompts = random_prompts(8, 16, 0, (100, 200))
+    r = asyncio.run(run_benchmark(fake_server, "m", prompts[4:], N, max_concurrency=4, warmup_prompts=prompts[:4]))
+    assert r["completed"] == 4 and r["failed"] == 0
+    assert r["output_tokens"] == 4 * N and r["input_tokens"] == 4 * 16
+    # known delays, with slack for a loaded machine (never faster than the server's sleeps)
+    assert FIRST * 1000 <= r["ttft_ms"]["median"] < FIRST * 1000 + 80
+    assert GAP * 1000 <= r["itl_ms"]["median"] < GAP * 1000 + 25
+    assert r["output_throughput"] == pytest.approx(r["output_tokens"] / r["duration_s"])
+    assert "| 4 |" in format_table([r])
+
+
+def test_per_request_relations(fake_server):
+    """E2EL = TTFT + sum(ITL) (to the last chunk), TPOT = (E2EL - TTFT) / (out - 1), exactly."""
+    import httpx
+
+    from linrnn_bench.serve import send_request, summarize
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            return [await send_request(c, fake_server, "m", [1, 2, 3], N) for _ in range(2)]
+    res = asyncio.run(go())
+    for x in res:
+        assert x.ok and x.output_tokens == N and len(x.itl) == N - 1
+        assert x.latency >= x.ttft + sum(x.itl) - 1e-9
+        assert x.latency - (x.ttft + sum(x.itl)) < 0.02  # usage + [DONE] follow the last token at once
+    summ = summarize(res, 1.0)
+    want = sorted((x.latency - x.ttft) / (N - 1) for x in res)
+    assert summ["tpot_ms"]["mean"] == pytest.approx(1000 * sum(want) / 2)
+
+
+def test_concurrency_limit_serialises(fake_server):
+    prompts = random_prompts(3, 8, 1, (100, 200))
+    r = asyncio.run(run_benchmark(fake_server, "m", prompts, N, max_concurrency=1))
+    one = FIRST + (N - 1) * GAP
+    assert r["duration_s"] >= 3 * one * 0.95  # one at a time
+
+
+def test_unreachable_server_reports_failures():
+    r = asyncio.run(run_benchmark("http://127.0.0.1:9", "m", random_prompts(2, 4, 0, (1, 5)), 4, 2, timeout=2))
+    assert r["completed"] == 0 and r["failed"] == 2 and r["errors"]
