@@ -11,6 +11,28 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def _fix_interpreter_scalar_index():
+    """Triton 3.6's interpreter holds scalars as shape-(1,) arrays and converts them with
+    int(array), which NumPy >= 2.4 rejects; every loop with runtime bounds (`range(lo, hi)`) needs
+    that conversion. Re-register __index__ through .item() after the interpreter's own patching."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_linrnn_fixed", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
+
+    patch._linrnn_fixed = True
+    interpreter._patch_lang_tensor = patch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter_scalar_index()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -39,3 +39,6 @@ class WeightTensor(NamedTuple):
         if self.fmt == "fp8":
             return (self.data.float() * self.row_scale.float()[..., None]).to(dtype)
         raise ValueError(f"unknown weight format {self.fmt!r}")
+
+
+from linrnn_kernels.quant.linear import linear  # noqa: E402  (after WeightTensor: linear.py imports it)

@@ -28,6 +28,10 @@ class SlotAllocator:
         self._used.remove(slot)
         self._free.append(slot)
 
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
     def check_all_free(self) -> None:
         if self._used or len(self._free) != self.capacity:
             raise RuntimeError(f"state slots leaked: {sorted(self._used)}")
@@ -55,6 +59,14 @@ class BlockAllocator:
 
     def share(self, block: int) -> None:
         self._ref[block] += 1
+
+    def refcount(self, block: int) -> int:
+        """Holders of `block` (0: free). A block written by one holder while shared must be copied first."""
+        return self._ref.get(block, 0)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
 
     def free(self, blocks: list[int]) -> None:
         for b in blocks:

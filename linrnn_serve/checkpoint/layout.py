@@ -4,7 +4,8 @@ A checkpoint tensor resolves to one or more `Target`s:
   * a plain parameter (norms, embeddings, conv1d, A_log, dt_bias), or
   * a weight piece of a projection: (our module, part, expert, checkpoint suffix). The storage format
     of the part's weight group (dense, NVFP4, FP8; layers/linear.py) says which attribute and shape
-    the suffix maps to.
+    the suffix maps to, or
+  * nothing (an empty list): recognised but unused, i.e. FP8 KV-cache scales (`k_proj.k_scale`, ...).
 
 Handled name variants: `model.language_model.*` (Qwen3.5 VL wrapper) and `model.*` prefixes; fused
 3-D experts (`experts.gate_up_proj`, `experts.down_proj`) and per-expert tensors; Qwen3-Next's
@@ -49,6 +50,8 @@ class Target:
 
 
 _L = r"model\.layers\.(\d+)\."
+# ModelOpt: k_proj.k_scale / v_proj.v_scale; compressed-tensors kv_cache_scheme: self_attn.{k,v}_scale
+_KV_CACHE_SCALE = re.compile(r"(?:[qkv]_proj\.|attn\.)?(?:[qkv]_scale|prob_scale)")
 _SUFFIX = r"(weight|weight_packed|weight_scale|weight_scale_2|weight_global_scale|input_scale|input_global_scale)"
 
 
@@ -130,6 +133,8 @@ def _resolve_gdn(cfg, mod, rest):
 def _resolve_attn(cfg, mod, rest):
     if rest in ("q_norm.weight", "k_norm.weight"):
         return [Target(mod, param=rest.split(".")[0], shape=(cfg.head_dim,))]
+    if _KV_CACHE_SCALE.fullmatch(rest):  # FP8 KV-cache scales: recognised, unused (the cache stays bf16)
+        return []
     m = re.fullmatch(r"(q|k|v)_proj\." + _SUFFIX, rest)
     if m:
         return [Target(mod + ".qkv_proj", part=m[1], suffix=m[2])]

@@ -17,6 +17,11 @@ from linrnn_serve.checkpoint.reader import CheckpointReader, tensor_nbytes
 log = logging.getLogger(__name__)
 
 
+def _same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Equal up to size-1 dims: scales come as [] or [1], per-channel scales as [N] or [N, 1]."""
+    return a == b or [d for d in a if d != 1] == [d for d in b if d != 1]
+
+
 class WeightLoader:
     """Places checkpoint tensors (by HF name) into a model built by models.build_model."""
 
@@ -53,6 +58,10 @@ class WeightLoader:
             group, start, rows, gpath = mod.w13, 0, mod.w13.n, "w13"
         else:
             group, start, rows, gpath = mod.locate(tg.part)
+        if group.fmt == "dense" and (not src.dtype.is_floating_point or src.dtype.itemsize == 1):
+            raise CheckpointError(
+                f"{source}: tensor {name} {tuple(src.shape)} holds {src.dtype} (quantized) data, but this model "
+                f"stores {tg.module} ({tg.part}) dense: the quantization config does not mark it quantized")
         specs = group.checkpoint_tensors(rows)
         spec = specs.get(tg.suffix)
         if spec is None:
@@ -61,11 +70,13 @@ class WeightLoader:
                 f"which has no '{tg.suffix}' tensor (expects {sorted(specs)}); check the quantization config")
         val = tg.transform(src) if tg.transform else src
         want = ((group.experts,) if tg.all_experts else ()) + spec.shape
-        if tuple(val.shape) != want and not (val.numel() == 1 and spec.shape in ((), (1,))):
+        if not _same_shape(tuple(val.shape), want):
             extra = "" if val.shape == src.shape else f" (de-interleaved {tuple(val.shape)})"
-            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(src.shape)}{extra}, expected {want}")
+            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(src.shape)}{extra}, expected {want} "
+                                  f"({group.fmt} storage of {tg.module} part {tg.part})")
         if spec.attr is None:  # recognised but unused (e.g. input_scale of a weight-only kernel)
             return
+        val = val.reshape(want)  # e.g. a [1] or [N, 1] scale into a [] or [N] spec
         pname = f"{tg.module}.{gpath}.{spec.attr}"
         dst = getattr(group, spec.attr)
         if tg.expert is not None:
@@ -74,8 +85,13 @@ class WeightLoader:
             dst = dst.transpose(0, 1)[start:start + rows].transpose(0, 1)  # rows are dim 1
         if not tg.all_experts:
             dst = dst[start:start + rows]
+        try:  # format transforms check dtypes and scale values (layers/quant.py)
+            val = spec.transform(val, dst) if spec.transform else val
+        except ValueError as e:
+            raise CheckpointError(f"{source}: tensor {name} {tuple(src.shape)} {src.dtype} for {tg.module} "
+                                  f"part {tg.part} ({group.fmt}): {e}") from None
         self._mark(pname, tg.expert, slice(start, start + rows), name, source)
-        dst.copy_(spec.transform(val, dst) if spec.transform else val)
+        dst.copy_(val)
 
     def _mark(self, pname, expert, rows, name, source):
         """Record that `rows` of `pname` (for one expert, or all) are filled; reject overlaps."""

@@ -43,9 +43,10 @@ class Session:
         self.blocks.free(s["blocks"])
 
     @torch.inference_mode()
-    def forward(self, sids: list[int], tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
-        """Append tokens[i] to sequence sids[i]; logits of each sequence's last token [B, V]
-        (or of every new token [T, V] with all_logits)."""
+    def forward(self, sids: list[int], tokens: list[list[int]], all_logits: bool = False,
+                rows: list[int] | None = None) -> torch.Tensor:
+        """Append tokens[i] to sequence sids[i]; logits of each sequence's last token [B, V], of every
+        new token [T, V] with all_logits, or of the given flattened token rows."""
         work = []
         for sid, toks in zip(sids, tokens):
             s = self.seqs[sid]
@@ -58,4 +59,6 @@ class Session:
             work.append(SeqWork(list(toks), s["len"], s["slot"], s["blocks"]))
             s["len"] += len(toks)
         batch = build_forward_batch(work, self.block_size, self.device)
-        return self.model(batch, self.caches, all_logits=all_logits)
+        if rows is not None:
+            batch.logits_indices = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model(batch, self.caches, all_logits=all_logits and rows is None)

@@ -1,0 +1,432 @@
+"""NVFP4 MoE layer benchmark (BENCH.md "Kernel benchmarks" / "NVFP4 MoE").
+
+One sparse-MoE layer of Qwen3.5-35B-A3B shapes (E=256, top-8, H=2048, I=512) at B tokens, from
+router logits to the combined expert output, routing realistic (softmax of x @ W_router^T with
+random x and a router at HF init scale 0.02, so some experts are hot). Side by side, in one run:
+  nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the Hopper default)
+  nvfp4/w4a4      our kernels, W4A4 on FP4 tensor cores (sm_100+ only, added there automatically;
+                  checked against the W4A4 reference, with a 2e-2 bound)
+  nvfp4/triton    our kernels, NVFP4 experts, plain-Triton decode
+  fp8             our kernels, FP8 experts
+  bf16/ours       our kernels, bf16 experts
+  bf16/grouped_mm peer: torch routing, gather, torch._grouped_mm gate_up, SiLU*mul, grouped down,
+                  index_add (BENCH.md's measured peer)
+  nvfp4/dequant   baseline: dequantize all experts to bf16, then the grouped_mm peer
+Each variant is first checked against the naive reference (relative Frobenius error <= 1e-2, no
+NaN) and is not timed if it fails. Times are triton.testing.do_bench medians (which also flush L2
+before every repetition) of CUDA-graph replays (what a decode step sees; eager if capture fails),
+rotating through --sets independent weight/input sets. GB/s counts the bytes that must move:
+experts touched (from the actual routing) x bytes per expert incl. scales, + logits, x and output;
+% copy is relative to a device-to-device copy measured in the same run (read + write counted).
+
+  python -m linrnn_bench.kernels.moe --out benchmarks/results            # table + JSON
+  python -m linrnn_bench.kernels.moe --sweep --out benchmarks/results    # + per-GEMM config sweep
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from linrnn_kernels.moe import experts, naive, router
+from linrnn_kernels.moe import grouped_gemm as gg
+from linrnn_kernels.moe.align import moe_align_block_size
+from linrnn_kernels.quant import WeightTensor, nvfp4
+
+QWEN35 = dict(E=256, k=8, H=2048, I=512)
+TINY = dict(E=8, k=2, H=64, I=32)
+TOL = 1e-2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    p.add_argument("--sets", type=int, default=3, help="independent weight/input sets rotated through")
+    p.add_argument("--variants", default="nvfp4/asm,nvfp4/triton,fp8,bf16/ours,bf16/grouped_mm,nvfp4/dequant")
+    p.add_argument("--out", default=None, help="directory for moe_<gpu>.md / .json")
+    p.add_argument("--sweep", action="store_true", help="also sweep gate_up / down configs (nvfp4/asm)")
+    p.add_argument("--no-graph", action="store_true", help="time eager calls instead of graph replays")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
+    p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test; runs on CPU too)")
+
+
+# ------------------------------------------------------------------------------------ weights
+
+def quantize(W: torch.Tensor, fmt: str, parts: int = 1) -> WeightTensor:
+    """W [E, N, K] f32 -> WeightTensor; gate and up halves get their own global scale."""
+    if fmt == "bf16":
+        return WeightTensor("dense", W.to(torch.bfloat16).contiguous())
+    if fmt == "fp8":
+        rs = W.abs().amax(-1).clamp_min(1e-12) / 448.0
+        return WeightTensor("fp8", (W / rs[..., None]).to(torch.float8_e4m3fn), None, rs.float().contiguous())
+    pk, sb, rs = [], [], []
+    for Wp in W.chunk(parts, dim=-2):
+        p_, s_, g_ = nvfp4.quantize(Wp)
+        pk.append(p_)
+        sb.append(s_)
+        rs.append(g_[..., None].expand(*Wp.shape[:-1]))
+    return WeightTensor("nvfp4", torch.cat(pk, -2).contiguous(), torch.cat(sb, -2).contiguous(),
+                        torch.cat(rs, -1).float().contiguous())
+
+
+def make_set(shape: dict, fmts: set[str], device, seed: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    E, H, I = shape["E"], shape["H"], shape["I"]
+    out = {"router": torch.randn(E, H, device=device, generator=g) * 0.02}
+    for name, (N, K, parts) in {"w13": (2 * I, H, 2), "w2": (H, I, 1)}.items():
+        W = torch.randn(E, N, K, device=device, generator=g) * 0.02
+        for fmt in fmts:
+            out[(fmt, name)] = quantize(W, fmt, parts)
+        del W
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def expert_bytes(w13: WeightTensor, w2: WeightTensor) -> int:
+    """Bytes of one expert in storage (data + block scales + row scales)."""
+    total = 0
+    for w in (w13, w2):
+        for t in (w.data, w.block_scale, w.row_scale):
+            if t is not None:
+                total += t[0].numel() * t.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------- layers
+
+def peer_grouped_mm(logits, x, top_k, w13: torch.Tensor, w2: torch.Tensor):
+    """BENCH.md's bf16 peer: torch routing, gather, grouped gate_up, SiLU*mul, grouped down,
+    weighted index_add. w13 [E, 2I, H], w2 [E, H, I] bf16."""
+    E = w13.shape[0]
+    inter = w13.shape[1] // 2
+    p = torch.softmax(logits.float(), dim=-1)
+    topw, ids = torch.topk(p, top_k, dim=-1)
+    topw = (topw / topw.sum(-1, keepdim=True)).to(x.dtype)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # counts without bincount (which syncs to size its output), so the peer is graph-capturable
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tok = order // top_k
+    h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
+    h = F.silu(h[:, :inter]) * h[:, inter:]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    y = y * topw.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def ours(logits, x, top_k, w13, w2, path=None):
+    topw, ids = router.route(logits, top_k, True)
+    return experts.moe_experts(x, topw.to(x.dtype), ids, w13, w2, nvfp4_path=path)
+
+
+def dequant_then_peer(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
+    return peer_grouped_mm(logits, x, top_k, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16))
+
+
+VARIANTS = {
+    # name: (weight format, callable(logits, x, k, w13, w2))
+    "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
+    "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
+    "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),
+    "fp8": ("fp8", ours),
+    "bf16/ours": ("bf16", ours),
+    "bf16/grouped_mm": ("bf16", lambda l, x, k, a, b: peer_grouped_mm(l, x, k, a.data, b.data)),
+    "nvfp4/dequant": ("nvfp4", dequant_then_peer),
+}
+
+
+# nvfp4.dequantize builds its lookup table with a host-to-device copy: not capturable
+EAGER_ONLY = {"nvfp4/dequant"}
+
+# ------------------------------------------------------------------------------------- timing
+
+def bench(fns: list, warmup: int, rep: int, cuda: bool) -> float:
+    """Median microseconds of one call, rotating through `fns` (one per weight/input set)."""
+    state = {"i": 0}
+
+    def call():
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+
+    if cuda:
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median")
+    times = []
+    for _ in range(max(3, len(fns))):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * sorted(times)[len(times) // 2]
+
+
+def graphed(fn, cuda: bool):
+    """A CUDA-graph replay of fn (what a decode step sees), or fn itself if capture fails."""
+    if not cuda:
+        return fn, "eager"
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+        return g.replay, "graph"
+    except Exception as e:  # report, fall back to eager
+        torch.cuda.synchronize()
+        return fn, f"eager ({type(e).__name__})"
+
+
+def copy_bandwidth(device, cuda: bool, warmup: int, rep: int) -> float:
+    """Device-to-device copy bandwidth in GB/s, read + write counted."""
+    n = (1 << 30) if cuda else (1 << 22)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    us = bench([lambda: dst.copy_(src)], warmup, rep, cuda)
+    return 2 * n / us / 1e3
+
+
+# ---------------------------------------------------------------------------------- reporting
+
+def env_info() -> dict:
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+            "python": platform.python_version(), "command": " ".join(sys.argv)}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["nvfp4_gemm"] = gg.describe_nvfp4_gemm()
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        info["commit"] = "unknown"
+    return info
+
+
+def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict) -> str:
+    lines = [f"# MoE layer benchmark: E={rows[0]['E']}, top-{rows[0]['k']}, H={rows[0]['H']}, I={rows[0]['I']}",
+             "", f"{info.get('gpu', 'cpu')} · torch {info['torch']} · triton {info.get('triton')} · "
+             f"commit {info.get('commit', '?')[:12]} · {info['date']}", "",
+             f"Copy bandwidth (same run): {copy_gbs:.0f} GB/s. Times: median us per layer call "
+             f"(router logits -> output), {rows[0]['timing']}; GB/s and % copy from the bytes that must move.",
+             "", "| B | experts hit | " + " | ".join(f"{v} us" for v in variants)
+             + " | nvfp4/asm GB/s | % copy | x vs bf16/grouped_mm | x vs bf16/ours |",
+             "|---:|---:|" + "---:|" * len(variants) + "---:|---:|---:|---:|"]
+    for r in rows:
+        cells = []
+        for v in variants:
+            t = r["us"].get(v)
+            cells.append(f"{t:.1f}" if isinstance(t, float) else str(t))
+        main = r["us"].get("nvfp4/asm")
+        gbs = r["gbs"].get("nvfp4/asm")
+        pct = f"{100 * gbs / copy_gbs:.0f} %" if gbs else "-"
+        vs = [f"{r['us'][p] / main:.2f}x" if isinstance(main, float) and isinstance(r["us"].get(p), float)
+              else "-" for p in ("bf16/grouped_mm", "bf16/ours")]
+        lines.append(f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells)
+                     + f" | {gbs:.0f} | {pct} | {vs[0]} | {vs[1]} |" if gbs else
+                     f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells) + " | - | - | - | - |")
+    notes = sorted({n for r in rows for n in r.get("notes", [])})
+    if notes:
+        lines += ["", "Timed eagerly (no CUDA graph): " + "; ".join(notes)]
+    return "\n".join(lines) + "\n"
+
+
+# -------------------------------------------------------------------------------------- sweep
+
+GATE_UP_CANDIDATES = [  # (block_n per half, block_k, split_k, num_warps, num_stages)
+    (64, 128, 1, 4, 4), (64, 128, 1, 4, 3), (64, 128, 1, 4, 2), (64, 256, 1, 4, 3), (64, 64, 1, 4, 4),
+    (32, 128, 1, 4, 4), (128, 128, 1, 8, 3), (64, 128, 1, 8, 4), (64, 128, 2, 4, 4), (32, 256, 1, 4, 3)]
+DOWN_CANDIDATES = [
+    (128, 128, 1, 4, 4), (128, 128, 1, 4, 3), (64, 128, 1, 4, 4), (256, 128, 1, 8, 3), (128, 256, 1, 4, 2),
+    (128, 64, 1, 4, 4), (128, 128, 1, 8, 4), (128, 128, 2, 4, 4), (64, 256, 1, 4, 3), (256, 64, 1, 8, 4)]
+
+
+def sweep(shape, sets, B, args, cuda, device) -> dict:
+    """Time gate_up and down separately over candidate configs (nvfp4/asm; the plain-Triton decode
+    off the GPU), checking each against a reference config's output; returns the best per BLOCK_M."""
+    E, k, H, I = shape["E"], shape["k"], shape["H"], shape["I"]
+    path = "asm" if cuda else "triton"
+    cases = []
+    for s in sets:
+        x = torch.randn(B, H, device=device).bfloat16()
+        topw, ids = router.route(x.float() @ s["router"].t(), k, True)
+        cases.append((x, topw.bfloat16().reshape(-1).contiguous(), ids, s[("nvfp4", "w13")], s[("nvfp4", "w2")]))
+    default13, default2 = experts.moe_configs(B, k, E, I, H, "nvfp4", "nvfp4", device)
+    bms = sorted({default13.block_m} | ({32} if B * k / E >= 2 else set()))
+    result = {"default": [default13.__dict__, default2.__dict__], "per_block_m": {}}
+    P = B * k
+    for bm in bms:
+        aligned = [moe_align_block_size(c[2], E, bm) for c in cases]
+
+        def run13(cfg, i):
+            x, _, _, w13, _ = cases[i]
+            sid, eid, _ = aligned[i]
+            out = torch.empty(cfg.split_k, P, 2 * I, dtype=torch.float32, device=device) if cfg.split_k > 1 \
+                else torch.empty(P, I, dtype=x.dtype, device=device)
+            gg.launch_gemm(x, w13, out, cfg, num_rows=P, n=I, k=H, num_m_blocks=eid.numel(), sorted_ids=sid,
+                           expert_ids=eid, a_row_div=k, gated=True, nvfp4_path=path)
+            if cfg.split_k > 1:
+                h = torch.empty(P, I, dtype=x.dtype, device=device)
+                gg.silu_mul_reduce(out, h)
+                return h
+            return out
+
+        h_ref = [run13(gg.GemmConfig(bm, 64, 128, 1, 4, 3), i) for i in range(len(cases))]
+
+        def run2(cfg, i):
+            _, rw, _, _, w2 = cases[i]
+            sid, eid, _ = aligned[i]
+            part = torch.empty(cfg.split_k, P, H, dtype=torch.float32, device=device)
+            gg.launch_gemm(h_ref[i], w2, part, cfg, num_rows=P, n=H, k=I, num_m_blocks=eid.numel(),
+                           sorted_ids=sid, expert_ids=eid, route_weights=rw, nvfp4_path=path)
+            return part.sum(0)
+
+        p_ref = [run2(gg.GemmConfig(bm, 128, 128, 1, 4, 3), i) for i in range(len(cases))]
+        entry = {}
+        for name, cands, run, refs in (("gate_up", GATE_UP_CANDIDATES, run13, h_ref),
+                                       ("down", DOWN_CANDIDATES, run2, p_ref)):
+            timings = []
+            for bn, bk, split, warps, stages in cands:
+                cfg = gg.GemmConfig(bm, bn, bk, split, warps, stages)
+                try:
+                    err = float((run(cfg, 0).float() - refs[0].float()).norm() / refs[0].float().norm())
+                    if not err <= TOL:
+                        timings.append((cfg.__dict__, f"wrong (rel err {err:.2e})"))
+                        continue
+                    us = bench([lambda i=i: run(cfg, i) for i in range(len(cases))], args.warmup, args.rep, cuda)
+                    timings.append((cfg.__dict__, us))
+                except Exception as e:  # e.g. out of shared memory
+                    timings.append((cfg.__dict__, f"failed: {type(e).__name__}: {str(e)[:120]}"))
+            ok = [t for t in timings if isinstance(t[1], float)]
+            entry[name] = {"best": min(ok, key=lambda t: t[1]) if ok else None, "all": timings}
+        result["per_block_m"][bm] = entry
+    return result
+
+
+# ---------------------------------------------------------------------------------------- run
+
+def run(args) -> int:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda and not args.tiny:
+        raise SystemExit("the MoE benchmark needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    shape = TINY if args.tiny else QWEN35
+    E, k, H, I = shape["E"], shape["k"], shape["H"], shape["I"]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if not hasattr(torch, "_grouped_mm"):
+        print("torch._grouped_mm is missing: skipping the grouped_mm peer and dequant baseline")
+        variants = [v for v in variants if v not in ("bf16/grouped_mm", "nvfp4/dequant")]
+    if not cuda:
+        variants = [v for v in variants if v not in ("nvfp4/asm", "nvfp4/w4a4")]  # GPU-only paths
+    elif torch.cuda.get_device_capability()[0] >= 10 and "nvfp4/w4a4" not in variants:
+        variants.insert(1, "nvfp4/w4a4")  # FP4 tensor cores: time the (untested) W4A4 path too
+    fmts = {VARIANTS[v][0] for v in variants}
+    info = env_info()
+    print(info.get("nvfp4_gemm", "interpreter run"), flush=True)
+    sets = [make_set(shape, fmts, device, seed) for seed in range(args.sets)]
+    copy_gbs = copy_bandwidth(device, cuda, args.warmup, args.rep)
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+
+    rows = []
+    for B in [int(b) for b in args.batch_sizes.split(",")]:
+        inputs = []
+        for s in sets:
+            x = torch.randn(B, H, device=device).bfloat16()
+            # f32 logits: bf16 ones tie often among 256 experts, and tie order is unspecified
+            inputs.append((x, x.float() @ s["router"].t()))
+        ids0 = naive.route(inputs[0][1], k, True)[1]
+        hit = int(ids0.unique().numel())
+        row = {"B": B, "E": E, "k": k, "H": H, "I": I, "experts_hit": hit, "us": {}, "gbs": {}, "err": {},
+               "timing": "eager" if args.no_graph else "CUDA-graph replay"}
+        for v in variants:
+            fmt, fn = VARIANTS[v]
+            calls = [lambda s=s, inp=inp: fn(inp[1], inp[0], k, s[(fmt, "w13")], s[(fmt, "w2")])
+                     for s, inp in zip(sets, inputs)]
+            try:
+                # correctness first, on every set: a red kernel is not timed
+                errs = []
+                for s, (x, logits) in zip(sets, inputs):
+                    topw, ids = naive.route(logits, k, True)
+                    ref = naive.moe_experts(x, topw.to(x.dtype), ids, s[(fmt, "w13")], s[(fmt, "w2")],
+                                            activations="nvfp4" if v == "nvfp4/w4a4" else "float")
+                    y = fn(logits, x, k, s[(fmt, "w13")], s[(fmt, "w2")])
+                    errs.append(float((y.double() - ref.double()).norm() / ref.double().norm()))
+                row["err"][v] = max(errs)
+                if not max(errs) <= (2 * TOL if v == "nvfp4/w4a4" else TOL):
+                    row["us"][v] = f"FAILED (rel err {max(errs):.2e})"
+                    continue
+                modes = set()
+                if not args.no_graph and v not in EAGER_ONLY:
+                    calls, modes = zip(*[graphed(c, cuda) for c in calls])
+                    calls, modes = list(calls), set(modes)
+                us = bench(calls, args.warmup, args.rep, cuda)
+                row["us"][v] = us
+                if (modes - {"graph"} or v in EAGER_ONLY) and not args.no_graph:
+                    row.setdefault("notes", []).append(f"{v}: {sorted(modes) or ['eager']}")
+                per_expert = expert_bytes(sets[0][(fmt, "w13")], sets[0][(fmt, "w2")])
+                moved = hit * per_expert + B * E * 2 + 2 * B * H * 2
+                row["gbs"][v] = moved / us / 1e3
+            except Exception as e:  # a failing peer is reported, not hidden
+                row["us"][v] = f"error: {type(e).__name__}: {str(e)[:100]}"
+        if args.sweep:
+            row["sweep"] = sweep(shape, sets, B, args, cuda, device)
+        rows.append(row)
+        print(json.dumps({kk: vv for kk, vv in row.items() if kk != "sweep"}, default=str), flush=True)
+
+    table = markdown(rows, variants, copy_gbs, info)
+    if args.sweep:
+        table += "\n## Config sweep (nvfp4, per GEMM, median us)\n\n"
+        table += "| B | block_m | default | best gate_up | best down |\n|---:|---:|---|---|---|\n"
+        for r in rows:
+            sw = r.get("sweep", {})
+            for bm, entry in sw.get("per_block_m", {}).items():
+                best = [f"{e['best'][0]} {e['best'][1]:.1f}" if e["best"] else "none" for e in
+                        (entry["gate_up"], entry["down"])]
+                table += f"| {r['B']} | {bm} | {sw['default']} | {best[0]} | {best[1]} |\n"
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tag = (info.get("gpu", "cpu").replace(" ", "_") + ("_tiny" if args.tiny else ""))
+        with open(os.path.join(args.out, f"moe_{tag}.md"), "w") as f:
+            f.write(table)
+        with open(os.path.join(args.out, f"moe_{tag}.json"), "w") as f:
+            json.dump({"env": info, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1, default=str)
+        print(f"wrote {args.out}/moe_{tag}.md and .json")
+    ours_variants = [v for v in variants if v in ("nvfp4/asm", "nvfp4/triton", "fp8", "bf16/ours")]
+    failed = [(r["B"], v) for r in rows for v in ours_variants if not isinstance(r["us"].get(v), float)]
+    if failed:
+        print(f"our kernels failed or were not timed at (B, variant): {failed}")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Sort (token, expert) pairs into expert-contiguous blocks of BLOCK_M rows for the grouped GEMM
+(the job of vLLM's `moe_align_block_size`), entirely on the device with static output sizes so a
+decode step can be captured in a CUDA graph.
+
+Pair p = t * top_k + j (row-major over topk_ids [T, k]). Outputs:
+  sorted_ids  [max_padded]  int32  pair ids grouped by expert, ascending within an expert, each
+                                   expert's run padded to a multiple of BLOCK_M with the sentinel P
+                                   (entries at and past num_padded are unspecified)
+  expert_ids  [max_blocks]  int32  expert of each BLOCK_M block; -1 for blocks past num_padded
+  num_padded  [1]           int32  total padded length (a multiple of BLOCK_M)
+max_padded = P + min(E, P) * (BLOCK_M - 1), rounded up to BLOCK_M: at most min(E, P) experts are hit
+and each wastes fewer than BLOCK_M rows.
+
+One program per expert: each counts all experts (histogram) to get its own offset, then scans the
+pairs again to place its own ones (rank = running count of earlier matches). Both passes read the
+ids from L2 (P * 4 bytes each); no atomics, so the order is deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static upper bound on the padded pair count (a multiple of block_m)."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, P, E, max_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    e = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_p = tl.arange(0, BLOCK_P)
+    # pass 1: per-expert pair counts (ids outside [0, E) are ignored)
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    for start in range(0, P, BLOCK_P):
+        ids = tl.load(ids_ptr + start + offs_p, mask=start + offs_p < P, other=-1).to(tl.int32)
+        ok = (ids >= 0) & (ids < E)
+        counts += tl.histogram(tl.where(ok, ids, 0), BLOCK_E, mask=ok)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    start_e = tl.sum(tl.where(offs_e == e, ends - padded, 0), axis=0)
+    count_e = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
+    padded_e = tl.sum(tl.where(offs_e == e, padded, 0), axis=0)
+
+    # pass 2: this expert's pairs, in ascending pair order
+    placed = 0
+    for start in range(0, P, BLOCK_P):
+        pair = start + offs_p
+        ids = tl.load(ids_ptr + pair, mask=pair < P, other=-1).to(tl.int32)
+        hit = ids == e
+        rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        tl.store(sorted_ptr + start_e + placed + rank, pair, mask=hit)
+        placed += tl.sum(hit.to(tl.int32), axis=0)
+    offs_m = tl.arange(0, BLOCK_M)
+    pad = start_e + count_e + offs_m
+    tl.store(sorted_ptr + pad, tl.zeros((BLOCK_M,), tl.int32) + P, mask=pad < start_e + padded_e)
+    first_block = start_e // BLOCK_M
+    for b in range(0, padded_e // BLOCK_M, BLOCK_M):
+        blk = b + offs_m
+        tl.store(expert_ids_ptr + first_block + blk, tl.zeros((BLOCK_M,), tl.int32) + e,
+                 mask=blk < padded_e // BLOCK_M)
+    if e == 0:
+        tl.store(num_padded_ptr, total)
+        for b in range(total // BLOCK_M, max_blocks, BLOCK_M):
+            blk = b + offs_m
+            tl.store(expert_ids_ptr + blk, tl.full((BLOCK_M,), -1, tl.int32), mask=blk < max_blocks)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(sorted_ids, expert_ids, num_padded) for topk_ids [T, k]; see the module docstring."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
+    if num_experts > 4096:
+        raise ValueError(f"align kernel keeps per-expert counts in registers; num_experts={num_experts} > 4096")
+    ids = topk_ids.contiguous().view(-1)
+    P = ids.numel()
+    max_padded = max_padded_pairs(P, num_experts, block_m)
+    max_blocks = max_padded // block_m
+    dev = topk_ids.device
+    sorted_ids = torch.empty(max(max_padded, 1), dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max(max_blocks, 1), dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_kernel[(num_experts,)](
+        ids, sorted_ids, expert_ids, num_padded, P, num_experts, max_blocks,
+        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_P=min(1024, max(16, triton.next_power_of_2(P))), num_warps=4)
+    return sorted_ids, expert_ids, num_padded

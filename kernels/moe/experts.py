@@ -1,0 +1,91 @@
+"""Routed-expert computation with Triton (SPEC §1.8): align -> grouped gate_up GEMM with fused
+SiLU*up -> grouped down GEMM with the routing weight -> deterministic top-k combine.
+
+Every buffer has a size fixed by (T, top_k, E, config) and no step reads a device value on the
+host, so the whole thing can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from linrnn_kernels.moe import grouped_gemm as gg
+from linrnn_kernels.moe.align import moe_align_block_size
+from linrnn_kernels.quant import WeightTensor
+
+# Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
+# (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
+MAX_CHUNK_TOKENS = 4096
+
+
+def supported(x: torch.Tensor, *weights: WeightTensor) -> bool:
+    """Whether the Triton path can run these weights on x's device (E4M3 conversions need sm_89+)."""
+    if not x.is_cuda:
+        return True  # interpreter
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if (major, minor) < (8, 0):
+        return False
+    return all(w.fmt == "dense" for w in weights) or (major, minor) >= (8, 9)
+
+
+def moe_configs(num_tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
+                fmt13: str, fmt2: str, device) -> tuple[gg.GemmConfig, gg.GemmConfig]:
+    """(gate_up, down) configs: the default table, or LINRNN_MOE_{GATE_UP,DOWN}_CONFIG overrides."""
+    over13, over2 = gg._config_override("gate_up"), gg._config_override("down")
+    block_m = (over13 or over2).block_m if (over13 or over2) else gg.moe_block_m(num_tokens, top_k, num_experts)
+    active = min(num_experts, num_tokens * top_k)
+    cfg13 = over13 or gg.default_config(fmt13, True, block_m, active, inter, hidden, device)
+    cfg2 = over2 or gg.default_config(fmt2, False, block_m, active, hidden, inter, device)
+    return cfg13, cfg2
+
+
+def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                w13: WeightTensor, w2: WeightTensor, *, configs=None, nvfp4_path: str | None = None):
+    """Triton twin of naive.moe_experts. `configs` = (gate_up, down) GemmConfigs with equal
+    block_m (default: moe_configs); `nvfp4_path` = "asm" | "triton" | "dot_scaled" (default:
+    nvfp4_gemm_path())."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} "
+                         f"must both be [T={x.shape[0]}, k]")
+    T, H = x.shape
+    top_k = topk_ids.shape[1]
+    if w13.data.dim() != 3:
+        raise ValueError(f"w13 must be stacked [E, 2I, H], data shape {tuple(w13.data.shape)}")
+    E = w13.data.shape[0]
+    inter = w13.out_features // 2
+    gg.check_weight(w13, "w13", E, 2 * inter, H)
+    gg.check_weight(w2, "w2", E, H, inter)
+    out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    if T > MAX_CHUNK_TOKENS and configs is None:
+        for lo in range(0, T, MAX_CHUNK_TOKENS):
+            hi = min(T, lo + MAX_CHUNK_TOKENS)
+            out[lo:hi] = moe_experts(x[lo:hi], topk_weights[lo:hi], topk_ids[lo:hi], w13, w2,
+                                     nvfp4_path=nvfp4_path)
+        return out
+    x = x.contiguous()
+    P = T * top_k
+    cfg13, cfg2 = configs or moe_configs(T, top_k, E, inter, H, w13.fmt, w2.fmt, x.device)
+    if cfg13.block_m != cfg2.block_m:
+        raise ValueError(f"gate_up and down configs must share block_m ({cfg13.block_m} != {cfg2.block_m})")
+    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, cfg13.block_m)
+    blocks = expert_ids.numel()
+    common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
+                  nvfp4_path=nvfp4_path)
+
+    h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
+    if cfg13.split_k == 1:
+        gg.launch_gemm(x, w13, h, cfg13, n=inter, k=H, a_row_div=top_k, gated=True, **common)
+    else:
+        ws = gg.alloc(cfg13.split_k, P, 2 * inter, dtype=torch.float32, device=x.device)
+        gg.launch_gemm(x, w13, ws, cfg13, n=inter, k=H, a_row_div=top_k, gated=True, **common)
+        gg.silu_mul_reduce(ws, h)
+
+    # [split, T * k, H] f32 partials, combined over k (and splits) in a fixed order: deterministic
+    part = gg.alloc(cfg2.split_k, P, H, dtype=torch.float32, device=x.device)
+    route_w = topk_weights.reshape(-1).contiguous()
+    gg.launch_gemm(h, w2, part, cfg2, n=H, k=inter, route_weights=route_w, **common)
+    gg.sum_reduce(part, out, group=top_k)
+    return out

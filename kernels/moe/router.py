@@ -1,0 +1,65 @@
+"""Router kernel (SPEC §1.8): f32 softmax over all experts, top-k, optional renormalisation.
+
+One program handles BLOCK_T tokens with the whole expert row in registers (E <= 1024); top-k is k
+rounds of argmax-and-mask, so the cost is k * E compares per token, negligible next to the experts.
+Ties pick the lowest expert index (torch.topk leaves the order of ties unspecified).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, T, E,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    col = tl.arange(0, BLOCK_E)
+    tok_ok = tok < T
+    logits = tl.load(logits_ptr + tok[:, None].to(tl.int64) * stride_lt + col[None, :],
+                     mask=tok_ok[:, None] & (col < E)[None, :], other=float("-inf")).to(tl.float32)
+    # rows past T read -inf everywhere: keep their max and sum finite so they stay NaN-free
+    row_max = tl.where(tok_ok, tl.max(logits, axis=1), 0.0)
+    p = tl.exp(logits - row_max[:, None])
+    p = p / tl.where(tok_ok, tl.sum(p, axis=1), 1.0)[:, None]
+    slot = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    top_i = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(p, axis=1, tie_break_left=True)
+        best_p = tl.max(p, axis=1)
+        top_w = tl.where(slot[None, :] == j, best_p[:, None], top_w)
+        top_i = tl.where(slot[None, :] == j, best[:, None].to(tl.int32), top_i)
+        # probabilities are >= 0 and padded experts are 0, so -1 removes the winner for good
+        p = tl.where(col[None, :] == best[:, None], -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.where(tok_ok, tl.sum(top_w, axis=1), 1.0)[:, None]
+    out = tok[:, None].to(tl.int64) * TOP_K + slot[None, :]
+    out_mask = tok_ok[:, None] & (slot < TOP_K)[None, :]
+    tl.store(weights_ptr + out, top_w, mask=out_mask)
+    tl.store(ids_ptr + out, top_i, mask=out_mask)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Triton twin of naive.route: (topk_weights [T, k] f32, topk_ids [T, k] int32)."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    T, E = router_logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={E}]")
+    if E > 1024:
+        raise ValueError(f"route kernel keeps a token's {E} expert logits in registers; at most 1024")
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(E)
+    block_t = max(1, min(16, 4096 // block_e))
+    _route_kernel[(triton.cdiv(T, block_t),)](
+        logits, logits.stride(0), weights, ids, T, E,
+        TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+    return weights, ids

@@ -1,0 +1,148 @@
+"""Memory budget: how many recurrent-state slots and paged-KV blocks to allocate.
+
+State slots are fixed by the scheduler's limit: max_num_seqs live sequences + slot 0, the dummy
+that padded CUDA-graph rows write to. KV blocks get what is left (vLLM's rule):
+
+    usable    = total GPU memory * gpu_memory_utilization
+    kv_bytes  = usable - (memory in use after the weights are loaded, by anyone on the GPU)
+                       - state pool - activation peak (measured by a profile run, or estimated)
+                       - CUDA-graph reserve (0 with enforce_eager) - logits + sampler scratch
+    blocks    = kv_bytes // bytes per block (+1 dummy), capped at what max_num_seqs sequences of
+                max_model_len tokens could ever use.
+
+On the CPU the budget is a fixed `CPU_KV_BYTES`. `EngineConfig.num_kv_blocks` overrides all of it.
+Pure arithmetic: no tensors are allocated here.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from linrnn_serve.cache.kv_pool import PagedKVCache
+from linrnn_serve.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+MiB = 1 << 20
+CPU_KV_BYTES = 256 * MiB
+MIN_GRAPH_RESERVE = 256 * MiB
+SAMPLER_BYTES_PER_LOGIT = 40
+
+
+class CacheBudgetError(RuntimeError):
+    """Not enough memory for the caches this configuration asks for."""
+
+
+@dataclass
+class CacheBudget:
+    num_state_slots: int  # incl. dummy slot 0
+    num_kv_blocks: int  # incl. dummy block 0
+    block_size: int
+    state_bytes_per_seq: int
+    kv_bytes_per_block: int
+    activation_reserve: int = 0
+    graph_reserve: int = 0
+    source: str = ""  # how the KV count was decided (logs)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_state_slots * self.state_bytes_per_seq
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_kv_blocks * self.kv_bytes_per_block
+
+    @property
+    def kv_tokens(self) -> int:
+        return (self.num_kv_blocks - 1) * self.block_size
+
+    def describe(self) -> str:
+        return (f"{self.num_state_slots - 1} state slots x {self.state_bytes_per_seq / MiB:.2f} MiB "
+                f"= {self.state_bytes / GiB:.3f} GiB; {self.num_kv_blocks - 1} KV blocks x {self.block_size} "
+                f"tokens ({self.kv_tokens} tokens, {self.kv_bytes / GiB:.3f} GiB) [{self.source}]")
+
+
+def state_bytes_per_seq(cfg: ModelConfig, act_dtype: torch.dtype, bf16_heads: list[list[bool]] | None) -> int:
+    """Recurrent state + conv state of one sequence over all GDN layers (matches HybridStateCache)."""
+    n_gdn = len(cfg.gdn_layers)
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    n_bf16 = sum(sum(map(bool, m)) for m in bf16_heads) if bf16_heads else 0
+    n_f32 = n_gdn * hv - n_bf16
+    ssm = dk * dv * (4 * n_f32 + 2 * n_bf16)
+    conv = n_gdn * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * _elt(act_dtype)
+    return ssm + conv
+
+
+def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """Blocks that max_num_seqs sequences of max_model_len tokens could hold at once (+ dummy)."""
+    return max_num_seqs * -(-max_model_len // block_size) + 1
+
+
+def activation_estimate(cfg: ModelConfig, max_num_batched_tokens: int, act_dtype: torch.dtype) -> int:
+    """A generous estimate of the forward's peak scratch memory when no profile run is available:
+    a few hidden-sized buffers per token, the widest projection outputs, the MoE's per-(token,
+    expert) intermediates (logits and sampling scratch are reserved separately)."""
+    T, e = max_num_batched_tokens, _elt(act_dtype)
+    widest = max(cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads,
+                 cfg.num_attention_heads * cfg.head_dim * 2 + 2 * cfg.num_key_value_heads * cfg.head_dim)
+    per_token = (8 * cfg.hidden_size + 3 * widest) * e + cfg.num_experts_per_tok * (
+        2 * cfg.moe_intermediate_size + cfg.hidden_size) * 4
+    return T * per_token + 256 * MiB
+
+
+def compute_budget(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.dtype, kv_dtype: torch.dtype,
+                   max_num_seqs: int, max_model_len: int, block_size: int, gpu_memory_utilization: float,
+                   bf16_heads: list[list[bool]] | None = None, num_kv_blocks: int | None = None,
+                   activation_peak: int | None = None, max_num_batched_tokens: int = 2048,
+                   enforce_eager: bool = False, mem_info: tuple[int, int] | None = None) -> CacheBudget:
+    """Decide the cache sizes. `activation_peak` is a profile run's peak scratch bytes (the caller
+    measures it with the weights loaded); `mem_info` = (free, total) bytes, default from CUDA."""
+    slots = max_num_seqs + 1
+    per_seq = state_bytes_per_seq(cfg, act_dtype, bf16_heads)
+    per_block = PagedKVCache.bytes_per_block(cfg, block_size, kv_dtype)
+    cap = max_useful_blocks(max_num_seqs, max_model_len, block_size)
+    out = CacheBudget(slots, 0, block_size, per_seq, per_block)
+    if num_kv_blocks is not None:
+        if num_kv_blocks < 2:
+            raise CacheBudgetError(f"num_kv_blocks must be >= 2 (block 0 is a reserved dummy), got {num_kv_blocks}")
+        out.num_kv_blocks, out.source = num_kv_blocks, "num_kv_blocks override"
+        return out
+    if device.type != "cuda":
+        out.num_kv_blocks = max(2, min(cap, CPU_KV_BYTES // max(per_block, 1) + 1))
+        out.source = f"CPU budget {CPU_KV_BYTES // MiB} MiB" + (", capped at max_num_seqs x max_model_len"
+                                                               if out.num_kv_blocks == cap else "")
+        return out
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise CacheBudgetError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    free, total = mem_info if mem_info is not None else torch.cuda.mem_get_info(device)
+    in_use = total - free
+    act = activation_peak if activation_peak is not None else activation_estimate(
+        cfg, max_num_batched_tokens, act_dtype)
+    # graph pool: the largest decode bucket's activations (a max_num_seqs-token forward)
+    graphs = 0 if enforce_eager else max(MIN_GRAPH_RESERVE, activation_estimate(cfg, max_num_seqs, act_dtype))
+    # decode logits buffer + sampling scratch at the largest batch (f32 probs, sort values and
+    # int64 order, f64 cumulative sums), live in eager mode too and held by the graph pool
+    graphs += max_num_seqs * cfg.vocab_size * (_elt(act_dtype) + SAMPLER_BYTES_PER_LOGIT)
+    out.activation_reserve, out.graph_reserve = act, graphs
+    left = int(total * gpu_memory_utilization) - in_use - out.state_bytes - act - graphs
+    need_one = -(-max_model_len // block_size) + 1
+    if left < need_one * per_block:
+        raise CacheBudgetError(
+            f"not enough GPU memory for the caches: {total / GiB:.1f} GiB x gpu_memory_utilization "
+            f"{gpu_memory_utilization} = {total * gpu_memory_utilization / GiB:.1f} GiB, of which "
+            f"{in_use / GiB:.1f} GiB is in use (weights, other processes), {out.state_bytes / GiB:.2f} GiB goes "
+            f"to {max_num_seqs} state slots ({per_seq / MiB:.1f} MiB each), {act / GiB:.2f} GiB to activations and "
+            f"{graphs / GiB:.2f} GiB to CUDA graphs; {max(left, 0) / GiB:.2f} GiB is left for KV but one sequence of "
+            f"max_model_len {max_model_len} needs {need_one * per_block / GiB:.3f} GiB. Lower max_num_seqs or "
+            f"max_model_len, or raise gpu_memory_utilization.")
+    out.num_kv_blocks = min(cap, left // per_block + 1)
+    out.source = (f"{gpu_memory_utilization:.2f} x {total / GiB:.1f} GiB - {in_use / GiB:.1f} GiB in use - "
+                  f"{act / GiB:.2f} GiB activations - {graphs / GiB:.2f} GiB graphs")
+    return out
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()

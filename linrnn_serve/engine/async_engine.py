@@ -1,0 +1,262 @@
+"""AsyncLLMEngine: the server's view of the engine.
+
+The LLMEngine step loop runs in one background thread. The asyncio side talks to it only through
+a command queue (add / abort) and per-request output slots:
+
+    async for out in engine.generate(prompt, params, request_id):   # cumulative RequestOutputs
+        ...                                                         # the last has finished=True
+    await engine.abort(request_id)
+
+Outputs are cumulative, so a slow consumer only ever needs the newest one: each request keeps the
+latest output and an event, never a growing queue. Leaving the `async for` early (client gone,
+task cancelled) aborts the request. Validation that can fail (sampling params, tokenization,
+prompt length, queue full) happens in the caller before anything is queued, so `generate` raises
+SamplingParamError / ValueError / PromptTooLongError / EngineFullError at its first iteration.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from linrnn_serve.config import EngineConfig
+from linrnn_serve.engine.llm_engine import LLMEngine
+from linrnn_serve.engine.outputs import EngineFullError, RequestOutput
+from linrnn_serve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shutdown or an internal error); no more requests are served."""
+
+
+class _Stream:
+    """Latest cumulative output of one request, handed from the engine thread to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.latest: RequestOutput | BaseException | None = None
+        self.event = asyncio.Event()
+
+    def put(self, item) -> None:  # runs on the event loop
+        if isinstance(self.latest, BaseException) or (isinstance(self.latest, RequestOutput) and self.latest.finished):
+            return
+        self.latest = item
+        self.event.set()
+
+    async def get(self):
+        await self.event.wait()
+        self.event.clear()
+        item, self.latest = self.latest, None
+        return item
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, idle_integrity_check: bool = True):
+        self.engine = engine
+        self.idle_integrity_check = idle_integrity_check
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self._wake = threading.Event()
+        self._stopping = False  # refuse new requests
+        self._stop = False  # leave the loop once the command queue is drained
+        self._dead: BaseException | None = None
+        self._checked_idle = True
+        self.integrity_failures = 0
+        self._thread = threading.Thread(target=self._loop, name="linrnn-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config, progress=progress))
+
+    @classmethod
+    def from_engine_args(cls, model: str, progress: bool = True, **kwargs) -> "AsyncLLMEngine":
+        return cls.from_config(EngineConfig(model=model, **kwargs), progress=progress)
+
+    # ---- what the server reads ---------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None and not self._stopping
+
+    def stats(self) -> dict:
+        for attempt in range(4):  # the engine thread may mutate a container mid-read: just retry
+            try:
+                s = self.engine.stats()
+                break
+            except RuntimeError:
+                if attempt == 3:
+                    raise
+                time.sleep(0)
+        s["integrity_failures_total"] = self.integrity_failures
+        s["engine_running"] = self.is_running
+        return s
+
+    # ---- requests ------------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None or self._stopping:
+            raise EngineDeadError("the engine is shutting down" if self._dead is None else
+                                  f"the engine loop stopped: {self._dead!r}")
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        eng = self.engine
+        text, ids = eng.tokenize_prompt(prompt)
+        eng.check_prompt(len(ids), params)
+        if params.n > eng.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={eng.config.max_num_seqs}")
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if eng.scheduler.num_waiting_requests + self._pending_adds >= eng.config.max_queue_len:
+                raise EngineFullError(f"the waiting queue is full ({eng.config.max_queue_len} requests); retry later")
+            self._streams[request_id] = stream
+            self._pending_adds += 1
+        self._cmds.put(("add", request_id, text, ids, params, time.monotonic()))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._cmds.put(("abort", request_id))
+                self._wake.set()
+            with self._lock:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+
+    async def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    async def shutdown(self, mode: str = "abort", timeout: float = 30.0) -> None:
+        """Stop: refuse new requests; 'finish' lets in-flight requests run (up to timeout), then the
+        rest are aborted (their streams end with finish_reason 'abort') and the loop exits."""
+        if mode not in ("abort", "finish"):
+            raise ValueError(f"shutdown mode must be 'abort' or 'finish', got {mode!r}")
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        if mode == "finish":
+            while time.monotonic() < deadline and self._thread.is_alive() and (
+                    self.engine.has_unfinished_requests() or self._pending_adds):
+                await asyncio.sleep(0.02)
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self._cmds.put(("abort", rid))
+        self._stop = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, max(1.0, deadline - time.monotonic()))
+
+    def shutdown_sync(self, timeout: float = 30.0) -> None:
+        """Abort everything and stop the loop from synchronous code."""
+        self._stopping = True
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self._cmds.put(("abort", rid))
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                self._drain()
+                if eng.has_unfinished_requests():
+                    self._checked_idle = False
+                    for out in eng.step():
+                        self._deliver(out.request_id, out)
+                    continue
+                if self._stop:
+                    break
+                if not self._checked_idle:
+                    self._checked_idle = True
+                    if self.idle_integrity_check:
+                        try:
+                            eng.check_integrity()
+                        except RuntimeError:  # a bookkeeping bug: loud, but keep serving
+                            log.exception("idle integrity check failed")
+                            self.integrity_failures += 1
+                self._wake.wait(0.1)
+                self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 -- every waiting client must hear about it
+            log.exception("engine loop failed")
+            self._dead = e
+            with self._lock:
+                streams = list(self._streams.items())
+            for rid, _ in streams:
+                self._deliver(rid, EngineDeadError(f"the engine loop failed: {e!r}"))
+        finally:
+            self._stopping = True
+
+    def _drain(self) -> None:
+        eng = self.engine
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, text, ids, params, arrival = cmd
+                with self._lock:
+                    self._pending_adds -= 1
+                    live = rid in self._streams
+                if not live:  # the client left before we got to it
+                    continue
+                try:
+                    eng.add_request(rid, text if text is not None else ids, params, arrival_time=arrival,
+                                    prompt_token_ids=ids)
+                except Exception as e:  # raced past the caller-side checks (e.g. queue filled up)
+                    self._deliver(rid, e)
+            elif cmd[0] == "abort":
+                out = eng.abort(cmd[1])
+                if out is not None:
+                    self._deliver(cmd[1], out)
+
+    def _deliver(self, rid: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(rid)
+        if stream is None:
+            return
+        try:
+            stream.loop.call_soon_threadsafe(stream.put, item)
+        except RuntimeError:  # the client's event loop is closed
+            pass

@@ -1,0 +1,355 @@
+"""LLMEngine: the synchronous engine. `add_request`, `step`, `abort`, `has_unfinished_requests`.
+
+    step():  scheduler.schedule() -> runner.execute(plan) -> scheduler.postprocess(plan, result)
+             -> one cumulative RequestOutput per request with new tokens (finished ones included)
+
+Construction: resolve the model (presets or a checkpoint directory) -> load weights -> pick the
+f32/bf16 state heads (classifier) -> size the caches (cache/budget.py, with a profile run on GPU)
+-> allocate pools -> capture CUDA graphs -> tokenizer. Not thread-safe: AsyncLLMEngine drives it
+from one thread.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from linrnn_serve.cache import BlockAllocator, HybridStateCache, ModelCaches, PagedKVCache, SlotAllocator
+from linrnn_serve.cache.budget import CacheBudget, compute_budget
+from linrnn_serve.config import EngineConfig, ModelConfig
+from linrnn_serve.engine.metrics import EngineMetrics
+from linrnn_serve.engine.outputs import CompletionOutput, EngineFullError, PromptTooLongError, RequestOutput
+from linrnn_serve.engine.tokenizer import Tokenizer
+from linrnn_serve.models.loading import load_model, resolve_device, resolve_dtype
+from linrnn_serve.runner.model_runner import ModelRunner
+from linrnn_serve.sampling_params import SamplingParams
+from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class ResolvedModel:
+    cfg: ModelConfig
+    model_dir: str | None
+    tokenizer_dir: str | None
+    name: str
+
+
+def resolve_model(name_or_path: str, load_format: str) -> ResolvedModel:
+    """Preset names / checkpoint directories -> config + directories (presets.py when present)."""
+    try:
+        from linrnn_serve import presets
+    except ImportError:
+        presets = None
+    is_dir = os.path.isfile(os.path.join(name_or_path, "config.json"))
+    if presets is not None and hasattr(presets, "resolve_model"):
+        try:
+            r = presets.resolve_model(name_or_path, load_format)
+            return ResolvedModel(r.cfg, getattr(r, "model_dir", None), getattr(r, "tokenizer_dir", None),
+                                 getattr(r, "name", name_or_path))
+        except ValueError as e:
+            if not is_dir:
+                raise
+            # e.g. no tokenizer files and no fallback tokenizer fits this vocab: serve token ids only
+            log.warning("%s: %s; loading the checkpoint without a tokenizer", name_or_path, e)
+    if not os.path.isdir(name_or_path):
+        raise ValueError(f"model {name_or_path!r} is not a checkpoint directory (and linrnn_serve.presets is not "
+                         f"available to resolve names)")
+    cfg = ModelConfig.from_pretrained(name_or_path)
+    return ResolvedModel(cfg, name_or_path, name_or_path, os.path.basename(os.path.normpath(name_or_path)))
+
+
+def build_head_map(model, tau: float, checkpoint_dir: str | None, calibration_tokens: list[int] | None):
+    """(bf16_heads or None, description) from linrnn_serve.classifier when it exists."""
+    try:
+        from linrnn_serve.classifier import build_head_map as classify
+    except ImportError:
+        if math.isinf(tau):
+            return None, "all f32 (classifier not available)"
+        raise RuntimeError(f"ssm_bf16_tau={tau} needs linrnn_serve.classifier, which is not available")
+    return classify(model, tau, checkpoint_dir=checkpoint_dir, calibration_tokens=calibration_tokens)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        t_start = time.perf_counter()
+        self.config = config
+        self._validate_config(config)
+        resolved = resolve_model(config.model, config.load_format)
+        self.model_config = cfg = resolved.cfg
+        self.model_name = config.served_model_name or resolved.name
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > cfg.max_position_embeddings:
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len,
+                        cfg.max_position_embeddings)
+        self.tokenizer = self._load_tokenizer(resolved)
+
+        t0 = time.perf_counter()
+        self.model = load_model(cfg, resolved.model_dir, self.dtype, self.device, config.load_format,
+                                progress=progress, seed=config.seed)
+        weights_s = time.perf_counter() - t0
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        calib = None
+        if config.ssm_calibration:
+            if self.tokenizer is None:
+                raise ValueError("ssm_calibration needs a tokenizer to encode the calibration text")
+            with open(config.ssm_calibration, encoding="utf-8") as f:
+                calib = self.tokenizer.encode(f.read())
+        bf16_heads, self.head_map_description = build_head_map(self.model, config.ssm_bf16_tau, resolved.model_dir,
+                                                               calib)
+
+        peak = self._profile_activation_peak() if self.device.type == "cuda" and config.num_kv_blocks is None \
+            else None
+        self.budget: CacheBudget = compute_budget(
+            cfg, device=self.device, act_dtype=self.dtype, kv_dtype=self.dtype, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=config.block_size,
+            gpu_memory_utilization=config.gpu_memory_utilization, bf16_heads=bf16_heads,
+            num_kv_blocks=config.num_kv_blocks, activation_peak=peak,
+            max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
+        state = HybridStateCache(cfg, self.budget.num_state_slots, self.dtype, self.device, bf16_heads)
+        kv = PagedKVCache(cfg, self.budget.num_kv_blocks, config.block_size, self.dtype, self.device)
+        self.caches = ModelCaches(state, kv)
+        self.runner = ModelRunner(self.model, self.caches, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, block_size=config.block_size,
+                                  enforce_eager=config.enforce_eager, progress=progress)
+        self.runner.capture_graphs()
+
+        eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
+        eos += [e for e in cfg.eos_token_id if e not in eos]
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.block_size),
+            SlotAllocator(self.budget.num_state_slots), BlockAllocator(self.budget.num_kv_blocks), eos,
+            (lambda ids, p: self.tokenizer.detokenizer(ids, p)) if self.tokenizer else None)
+        self._rng = random.Random(config.seed)
+        self.metrics = EngineMetrics()
+        self._finished_aborts: list[RequestOutput] = []
+        self.num_steps = 0
+        self.capture_logits = False  # tests: keep a copy of every step's logits per (request, sample, position)
+        self.logits_log: dict[tuple[str, int, int], torch.Tensor] = {}
+
+        log.info("model %s (%s, %d layers: %d GDN + %d attention; %d experts top-%d), %s on %s, weights %.2f GiB "
+                 "loaded in %.1f s", self.model_name, cfg.model_type, cfg.num_hidden_layers, len(cfg.gdn_layers),
+                 len(cfg.attn_layers), cfg.num_experts, cfg.num_experts_per_tok, str(self.dtype).replace("torch.", ""),
+                 self.device, weight_bytes / 2**30, weights_s)
+        log.info("recurrent state: %s; f32 heads %.1f%% / bf16 %.1f%%; %.2f MiB per sequence",
+                 self.head_map_description, 100 * state.f32_fraction(), 100 * (1 - state.f32_fraction()),
+                 state.bytes_per_seq() / 2**20)
+        log.info("caches: %s", self.budget.describe())
+        log.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, CUDA graphs %s; engine ready in "
+                 "%.1f s", self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+                 f"on ({len(self.runner.graphs.graphs)} captured in {self.runner.graphs.capture_seconds:.1f} s, "
+                 f"{self.runner.graphs.capture_bytes / 2**30:.2f} GiB)" if self.runner.use_graphs else "off",
+                 time.perf_counter() - t_start)
+
+    @classmethod
+    def from_engine_args(cls, model: str, progress: bool = True, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig(model=model, **kwargs), progress=progress)
+
+    # ---- setup helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _validate_config(c: EngineConfig) -> None:
+        def bad(msg):
+            raise ValueError(msg)
+
+        if c.max_num_seqs < 1:
+            bad(f"max_num_seqs must be >= 1, got {c.max_num_seqs}")
+        if c.max_num_batched_tokens < c.max_num_seqs:
+            bad(f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_num_seqs ({c.max_num_seqs})")
+        if c.block_size < 1:
+            bad(f"block_size must be >= 1, got {c.block_size}")
+        if c.max_model_len is not None and c.max_model_len < 2:
+            bad(f"max_model_len must be >= 2, got {c.max_model_len}")
+        if c.max_queue_len < 1:
+            bad(f"max_queue_len must be >= 1, got {c.max_queue_len}")
+
+    def _load_tokenizer(self, resolved: ResolvedModel) -> Tokenizer | None:
+        d = resolved.tokenizer_dir
+        if d and os.path.isfile(os.path.join(d, "tokenizer.json")):
+            return Tokenizer.from_dir(d, resolved.cfg.eos_token_id)
+        log.warning("no tokenizer.json for %s: prompts must be token ids and outputs carry no text", resolved.name)
+        return None
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int | None:
+        """Peak scratch memory of a max_num_batched_tokens prefill (with a temporary small cache)."""
+        c = self.config
+        T = min(c.max_num_batched_tokens, self.max_model_len)
+        try:
+            from linrnn_serve.runner.session import Session
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            s = Session(self.model, 1, T, c.block_size)
+            cache_bytes = torch.cuda.memory_allocated(self.device) - base
+            ids = torch.randint(0, self.model_config.vocab_size, (T,)).tolist()
+            s.forward([s.new_seq()], [ids])
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - base - cache_bytes
+            del s
+            torch.cuda.empty_cache()
+            return int(peak * 1.1) + (64 << 20)
+        except Exception as e:  # the estimate is used instead
+            log.warning("profile run failed (%s: %s); using an activation-memory estimate", type(e).__name__, e)
+            torch.cuda.empty_cache()
+            return None
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids, text = list(prompt), None
+            V = self.model_config.vocab_size
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
+                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {V})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, ids
+
+    def check_prompt(self, prompt_len: int, params: SamplingParams) -> None:
+        """PromptTooLongError when prompt + max_tokens cannot fit the context or the KV cache."""
+        limit = self.max_model_len
+        want = prompt_len + (params.max_tokens if params.max_tokens is not None else 1)
+        if want > limit:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens"
+                + (f" and max_tokens is {params.max_tokens}" if params.max_tokens is not None else "")
+                + f" ({want} > {limit}); shorten the prompt or lower max_tokens")
+        cap = self.scheduler.kv_capacity_tokens
+        if want > cap:
+            raise PromptTooLongError(f"the prompt ({prompt_len} tokens) plus max_tokens needs {want} tokens of KV "
+                                     f"cache but the cache holds {cap}")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> Request:
+        """Queue a request. Raises SamplingParamError, ValueError, PromptTooLongError, EngineFullError."""
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        if prompt_token_ids is not None:
+            text, ids = (prompt if isinstance(prompt, str) else None), self.tokenize_prompt(prompt_token_ids)[1]
+        else:
+            text, ids = self.tokenize_prompt(prompt)
+        self.check_prompt(len(ids), params)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.scheduler.num_waiting_requests >= self.config.max_queue_len:
+            raise EngineFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, ids, params, seed, prompt=text, arrival_time=arrival_time)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request; returns its final output (finish_reason 'abort'), None if unknown/finished."""
+        req = self.scheduler.abort_request(request_id)
+        if req is None:
+            return None
+        self._observe_finish(req, time.monotonic())
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        result = self.runner.execute(plan)
+        if self.capture_logits:
+            self._log_logits()
+        now = time.monotonic()
+        reqs = self.scheduler.postprocess(plan, result, now)
+        self.num_steps += 1
+        outs = []
+        for req in reqs:
+            if req.finished:
+                self._observe_finish(req, now)
+            outs.append(self._output(req))
+        return outs
+
+    def _observe_finish(self, req: Request, now: float) -> None:
+        m = self.metrics
+        with m.lock:
+            if req.first_token_time is not None:
+                m.ttft.observe(req.first_token_time - req.arrival_time)
+            m.e2e.observe(now - req.arrival_time)
+            for s in req.seqs:
+                m.requests_finished[s.finish_reason] = m.requests_finished.get(s.finish_reason, 0) + 1
+                if s.num_output > 1 and s.first_token_time is not None:
+                    m.itl.observe((s.last_token_time - s.first_token_time) / (s.num_output - 1))
+
+    def _log_logits(self) -> None:
+        """Before postprocess: key each sampled row by (request, sample, output position it decides)."""
+        for sid, row in self.runner.last_logits().items():
+            seq = self.scheduler.seqs.get(sid)
+            if seq is not None:
+                self.logits_log[(seq.group.request_id, seq.index, seq.num_output)] = row.detach().cpu().clone()
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = [CompletionOutput(
+            index=s.index, text=s.visible_text(), token_ids=s.output_token_ids,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                   "finished_time": req.finished_time}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+                             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+                             metrics=metrics)
+
+    # ---- introspection -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Idle-time check: with no request in flight, every state slot and KV block is free."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("check_integrity() needs an idle engine")
+        self.scheduler.check_idle_integrity()
+
+    def stats(self) -> dict:
+        s, sch = self.scheduler, self.scheduler.stats
+        m = self.metrics
+        with m.lock:
+            hist = {"time_to_first_token_seconds": m.ttft.snapshot(),
+                    "inter_token_latency_seconds": m.itl.snapshot(),
+                    "e2e_request_latency_seconds": m.e2e.snapshot()}
+            finished = dict(m.requests_finished)
+        return {
+            "num_requests_running": len({q.group.request_id for q in s.running}),
+            "num_requests_waiting": s.num_waiting_requests,
+            "num_seqs_running": s.num_running_seqs,
+            "num_seqs_waiting": s.num_waiting_seqs,
+            "kv_cache_usage": s.blocks.num_used / max(s.blocks.capacity, 1),
+            "state_cache_usage": s.slots.num_used / max(s.slots.capacity, 1),
+            "num_preemptions_total": sch.num_preemptions,
+            "prompt_tokens_total": sch.prompt_tokens,
+            "generation_tokens_total": sch.generation_tokens,
+            "recomputed_tokens_total": sch.recomputed_tokens,
+            "request_success_total": finished,
+            "num_steps_total": self.num_steps,
+            **hist,
+        }
+
+    def describe(self) -> dict:
+        return {"model": self.model_name, "dtype": str(self.dtype), "device": str(self.device),
+                "max_model_len": self.max_model_len, "budget": asdict(self.budget),
+                "state_f32_fraction": self.caches.state.f32_fraction(), "cuda_graphs": self.runner.use_graphs}

@@ -1,0 +1,145 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeded; penalties; logprobs.
+
+Everything on the decode hot path is shape-static and sync-free, so it runs inside a CUDA graph:
+
+* greedy rows take argmax of the raw logits (the captured decode graph always computes it);
+* sampled rows draw by inverse CDF: probs = softmax(logits / T), tokens outside min-p / top-k /
+  top-p get probability 0, then the token is the first index whose cumulative probability (f64,
+  in vocabulary order) exceeds u * total. The uniform u is a pure function of (the sample's seed,
+  output position) (runner/plan.py::uniform_for), fed per row like any other input, so a seeded
+  request draws the same token whatever its batch, row or step, and after preemption.
+* top-k / top-p need a sort of the vocabulary: a separate variant (`use_sort`) only used when some
+  row of the batch asks for them.
+
+Penalties (presence / frequency / repetition) and the min_tokens ban of EOS / stop ids change the
+logits first; they need per-sequence token lists, so they run eagerly (`apply_logit_edits`), only
+for batches that have such a row. Rows without edits are bit-unchanged by it.
+
+Logprobs are those of the raw model distribution (vLLM's default `raw_logprobs`): log_softmax of
+the unprocessed logits, the sampled token's value and the top-N alternatives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from linrnn_serve.runner.plan import SamplingRow
+
+GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as device tensors [B]."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    u: torch.Tensor  # float64 in (0, 1)
+
+    @classmethod
+    def from_rows(cls, rows: list[SamplingRow], device) -> "SamplingTensors":
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            torch.tensor([r.temperature for r in rows], **f32),
+            torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=device),
+            torch.tensor([r.top_p for r in rows], **f32),
+            torch.tensor([r.min_p for r in rows], **f32),
+            torch.tensor([r.u for r in rows], dtype=torch.float64, device=device),
+        )
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, use_sort: bool) -> torch.Tensor:
+    """Token ids [B] (int64). Greedy rows (temperature < GREEDY_EPS) take argmax(logits)."""
+    x = logits.float()
+    V = x.shape[-1]
+    is_greedy = t.temperature < GREEDY_EPS
+    temp = torch.where(is_greedy, torch.ones_like(t.temperature), t.temperature)
+    probs = torch.softmax(x / temp[:, None], dim=-1)
+    # min-p: drop tokens below min_p x the most likely one (min_p = 0 keeps everything)
+    probs = probs * (probs >= t.min_p[:, None] * probs.amax(-1, keepdim=True))
+    if use_sort:
+        ps, order = probs.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(V, device=x.device)
+        k = torch.where(t.top_k > 0, t.top_k, V)
+        ps = ps * (rank[None, :] < k[:, None])
+        csum = ps.double().cumsum(-1)
+        # top-p: keep the smallest prefix whose mass reaches top_p of what is left (always >= 1 token)
+        before = csum - ps.double()
+        ps = ps * (before < t.top_p.double()[:, None] * csum[:, -1:])
+        probs = torch.zeros_like(probs).scatter_(1, order, ps)
+    cdf = probs.double().cumsum(-1)
+    target = t.u[:, None] * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=V - 1)
+    return torch.where(is_greedy, x.argmax(-1), ids)
+
+
+def needs_logit_edits(rows: list[SamplingRow | None]) -> bool:
+    return any(r is not None and r.needs_logit_edits for r in rows)
+
+
+def apply_logit_edits(logits: torch.Tensor, rows: list[SamplingRow | None]) -> torch.Tensor:
+    """f32 copy of logits with penalties (vLLM order: repetition on prompt+output tokens, then
+    frequency and presence on output tokens) and min_tokens bans applied; `None` rows are padding."""
+    x = logits.float().clone()
+    B, V = x.shape
+    dev = x.device
+    pen = [i for i, r in enumerate(rows) if r is not None and (
+        r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0)]
+    if pen:
+        ri, ti = _flat([rows[i].output_token_ids or [] for i in pen])
+        counts = torch.zeros(len(pen), V, dtype=torch.float32, device=dev)
+        counts.index_put_((ri.to(dev), ti.to(dev)), torch.ones(ri.numel(), device=dev), accumulate=True)
+        seen = counts > 0
+        pi, pt = _flat([rows[i].prompt_token_ids or [] for i in pen])
+        prompt_seen = torch.zeros(len(pen), V, dtype=torch.bool, device=dev)
+        prompt_seen[pi.to(dev), pt.to(dev)] = True
+        rep = torch.tensor([rows[i].repetition_penalty for i in pen], dtype=torch.float32, device=dev)[:, None]
+        freq = torch.tensor([rows[i].frequency_penalty for i in pen], dtype=torch.float32, device=dev)[:, None]
+        pres = torch.tensor([rows[i].presence_penalty for i in pen], dtype=torch.float32, device=dev)[:, None]
+        idx = torch.tensor(pen, device=dev)
+        xr = x.index_select(0, idx)
+        xr = torch.where(seen | prompt_seen, torch.where(xr > 0, xr / rep, xr * rep), xr)
+        xr = xr - freq * counts - pres * seen.float()
+        x.index_copy_(0, idx, xr)
+    bi, bt = _flat([(r.banned_token_ids if r is not None else []) for r in rows])
+    if bi.numel():
+        keep = bt < V
+        x[bi[keep].to(dev), bt[keep].to(dev)] = float("-inf")
+    return x
+
+
+def _flat(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [i for i, lst in enumerate(lists) for _ in lst]
+    vals = [v for lst in lists for v in lst]
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(vals, dtype=torch.long)
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, top_n: list[int]) -> list[dict[int, float]]:
+    """Per row: {token_id: logprob} for the given token and the row's top_n[i] most likely tokens.
+
+    logits [R, V] (raw), token_ids [R]. One host transfer for all rows."""
+    if logits.shape[0] == 0:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids.long()[:, None]).squeeze(1)
+    n = max(top_n)
+    if n > 0:
+        top_v, top_i = lp.topk(n, dim=-1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    ids, vals = token_ids.tolist(), chosen.tolist()
+    out = []
+    for r in range(len(ids)):
+        d = {}
+        if n > 0:
+            for j in range(top_n[r]):
+                d[top_i[r][j]] = top_v[r][j]
+        d[ids[r]] = vals[r]
+        out.append(d)
+    return out

@@ -1,0 +1,520 @@
+"""Continuous-batching scheduler: who runs in each step, with which cache slots and blocks.
+
+Plain Python (no tensors). Each step:
+
+1. every running sequence with exactly one new token decodes (highest priority first);
+2. running sequences in the middle of a chunked prefill continue, within the step's token budget
+   (`max_num_batched_tokens`, decode tokens included);
+3. waiting sequences are admitted in priority order while a state slot, budget and KV blocks remain.
+
+Priority is arrival order (then sample index). When a sequence needs a KV block (a new page, or a
+copy of a page it shares) and none is free, the lowest-priority running sequence not yet scheduled
+in this step is preempted by *recompute*: its slot and blocks are freed and it goes back to the
+waiting queue with its tokens (prompt + generated so far); on re-admission it is prefilled again
+from an empty state and continues exactly where it stopped (sampling is keyed by output position,
+so a seeded stream does not notice). If no other sequence can be preempted it preempts itself.
+
+n > 1 samples: the prompt is prefilled once. The request reserves n state slots at admission; when
+the prompt's last chunk is scheduled the n-1 extra samples fork from it: they share its KV blocks
+(reference counts; the partly filled last block is copied on first write) and get a copy of its
+recurrent state right after that forward (`StepPlan.slot_copies`, HybridStateCache.copy_slot).
+All n first tokens are drawn from the prompt's last logits with per-sample seeds. After the fork
+each sample is an independent sequence (preempted alone, recomputed alone).
+
+Finish detection (vLLM semantics): EOS (unless ignore_eos) and stop_token_ids, only once
+min_tokens are out; stop strings on the detokenized text, across token boundaries (the text is cut
+before the stop string unless include_stop_str_in_output); max_tokens; the context limit.
+"""
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from linrnn_serve.cache.allocator import BlockAllocator, SlotAllocator
+from linrnn_serve.runner.plan import (
+    DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult, sample_seed, uniform_for,
+)
+from linrnn_serve.sampling_params import SamplingParams
+
+
+PROMPT_LOGPROBS_MAX_CHUNK = 512
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Detokenizer(Protocol):
+    """Incremental detokenizer of one sequence (engine/tokenizer.py provides one)."""
+
+    def update(self, token_id: int) -> str:  # the new text this token completes
+        ...
+
+
+DetokenizerFactory = Callable[[list[int], SamplingParams], Detokenizer]
+
+
+class Sequence:
+    """One sample of a request: its tokens, cache holdings and output state."""
+
+    def __init__(self, seq_id: int, group: "Request", index: int, seed: int):
+        self.seq_id, self.group, self.index, self.seed = seq_id, group, index, seed
+        self.token_ids: list[int] = list(group.prompt_token_ids)
+        self.prompt_len = len(self.token_ids)
+        self.num_computed = 0  # tokens whose state / KV are in the caches
+        self.slot: int | None = None
+        self.blocks: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.pending_children: list[Sequence] = []  # n > 1 samples not yet forked (parent only)
+        self.logprobs: list[dict[int, float]] | None = [] if group.params.logprobs is not None else None
+        self.text = ""
+        self.detok: Detokenizer | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def priority(self) -> tuple[int, int]:
+        return (self.group.arrival_order, self.index)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def decode_ready(self) -> bool:
+        """Exactly one token to feed (the last sampled) and nothing to fork."""
+        return len(self.token_ids) - self.num_computed == 1 and not self.pending_children
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def visible_text(self) -> str:
+        """Text to stream: while running, hold back a possible stop-string prefix (vLLM's rule)."""
+        p = self.group.params
+        if self.finished or not p.stop or p.include_stop_str_in_output:
+            return self.text
+        hold = max(len(s) for s in p.stop) - 1
+        return self.text[: len(self.text) - hold] if hold else self.text
+
+
+class Request:
+    """A request: n sequences sharing one prompt."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                 prompt: str | None = None, arrival_time: float | None = None):
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.seed = seed
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_order = 0  # set by the scheduler
+        self.seqs: list[Sequence] = []
+        self.admitted = False  # has ever left the waiting queue (max_queue_len counts the others)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.aborted = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    # admit new work only while this fraction of KV blocks stays free (fewer immediate preemptions)
+    watermark: float = 0.01
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    generation_tokens: int = 0
+    recomputed_tokens: int = 0  # tokens re-prefilled after preemption
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, slots: SlotAllocator, blocks: BlockAllocator,
+                 eos_token_ids: set[int] | list[int] = (), detokenizer_factory: DetokenizerFactory | None = None):
+        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({cfg.max_num_seqs}): every running sequence decodes each step")
+        if slots.capacity < cfg.max_num_seqs:
+            raise ValueError(f"{slots.capacity} state slots cannot hold max_num_seqs={cfg.max_num_seqs}")
+        self.cfg, self.slots, self.blocks = cfg, slots, blocks
+        self.eos_token_ids = set(eos_token_ids)
+        self.detokenizer_factory = detokenizer_factory
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.waiting: list[Sequence] = []  # sorted by priority
+        self.running: list[Sequence] = []  # sorted by priority
+        self.stats = SchedulerStats()
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._num_unadmitted = 0
+        self._watermark_blocks = int(cfg.watermark * blocks.capacity)
+
+    # ---- requests -----------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.blocks.capacity * self.cfg.block_size
+
+    def max_len_for(self, prompt_len: int, params: SamplingParams) -> int:
+        """Total tokens (prompt + output) a sequence of this request may reach."""
+        limit = min(self.cfg.max_model_len, self.kv_capacity_tokens)
+        if params.max_tokens is not None:
+            limit = min(limit, prompt_len + params.max_tokens)
+        return limit
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request (the engine has validated lengths and params)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        n = req.params.n
+        if n > self.cfg.max_num_seqs:
+            raise ValueError(f"n={n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
+        req.arrival_order = next(self._arrivals)
+        req.seqs = [Sequence(next(self._seq_ids), req, i, sample_seed(req.seed, i)) for i in range(n)]
+        for s in req.seqs:
+            if self.detokenizer_factory is not None:
+                s.detok = self.detokenizer_factory(req.prompt_token_ids, req.params)
+            self.seqs[s.seq_id] = s
+        parent = req.seqs[0]
+        parent.pending_children = req.seqs[1:]
+        self.requests[req.request_id] = req
+        bisect.insort(self.waiting, parent, key=lambda s: s.priority)
+        self._num_unadmitted += 1
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is; frees its slots and blocks. None if unknown/finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        req.aborted = True
+        if not req.admitted:
+            self._num_unadmitted -= 1
+        for s in req.seqs:
+            if not s.finished:
+                self._finish(s, "abort", None)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests never admitted (preempted ones excluded): what max_queue_len bounds."""
+        return self._num_unadmitted
+
+    @property
+    def num_running_seqs(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        return len(self.waiting)
+
+    # ---- scheduling -----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        for seq in list(self.running):  # 1. decodes
+            if seq.status is not SeqStatus.RUNNING or not seq.decode_ready:
+                continue
+            if budget < 1:
+                break
+            if not self._reserve(seq, 1, plan, scheduled):
+                continue
+            scheduled.add(seq.seq_id)
+            plan.decode.append(DecodeRow(seq.token_ids[-1], seq.num_computed, seq.slot, self._sampling_row(seq)))
+            budget -= 1
+
+        for seq in list(self.running):  # 2. chunked prefills in flight
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled:
+                continue
+            if seq.decode_ready:  # left unscheduled by an exhausted budget
+                continue
+            n = min(len(seq.token_ids) - seq.num_computed, budget, self._chunk_cap(seq))
+            if n <= 0:
+                break
+            if not self._reserve(seq, n, plan, scheduled):
+                continue
+            scheduled.add(seq.seq_id)
+            plan.prefill.append(self._prefill_row(seq, n, plan))
+            budget -= n
+
+        while self.waiting and budget > 0:  # 3. admission
+            seq = self.waiting[0]
+            if self.slots.num_free < 1 + len(seq.pending_children):
+                break
+            n = min(len(seq.token_ids), budget, self._chunk_cap(seq))
+            need = -(-n // self.cfg.block_size)
+            reserve = self._watermark_blocks if self.running else 0
+            if self.blocks.num_free - need < reserve:
+                break
+            self.waiting.pop(0)
+            seq.slot = self.slots.alloc()
+            for c in seq.pending_children:
+                c.slot = self.slots.alloc()
+            seq.blocks = self.blocks.alloc(need)
+            seq.status = SeqStatus.RUNNING
+            seq.num_computed = 0
+            bisect.insort(self.running, seq, key=lambda s: s.priority)
+            plan.reset_slots.append(seq.slot)
+            plan.block_table_updates.append((seq.slot, 0, list(seq.blocks)))
+            if not seq.group.admitted:
+                seq.group.admitted = True
+                self._num_unadmitted -= 1
+                self.stats.prompt_tokens += seq.prompt_len
+            else:
+                self.stats.recomputed_tokens += len(seq.token_ids)
+            scheduled.add(seq.seq_id)
+            plan.prefill.append(self._prefill_row(seq, n, plan))
+            budget -= n
+        return plan
+
+    @staticmethod
+    def _chunk_cap(seq: Sequence) -> int:
+        """Prompt logprobs need full-vocab logits for every prompt token: smaller chunks bound that."""
+        req = seq.group
+        if req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < req.prompt_len:
+            return PROMPT_LOGPROBS_MAX_CHUNK
+        return 1 << 62
+
+    def _block_need(self, seq: Sequence, n: int) -> tuple[int, list[int]]:
+        """(new blocks, indices of shared blocks to copy) for writing n more tokens."""
+        bs = self.cfg.block_size
+        end = seq.num_computed + n
+        new = max(0, -(-end // bs) - len(seq.blocks))
+        first = seq.num_computed // bs
+        cow = [j for j in range(first, min(len(seq.blocks), -(-end // bs)))
+               if self.blocks.refcount(seq.blocks[j]) > 1]
+        return new, cow
+
+    def _reserve(self, seq: Sequence, n: int, plan: StepPlan, scheduled: set[int]) -> bool:
+        """Give `seq` the blocks for n more tokens, preempting lower-priority sequences if needed.
+        False if `seq` itself had to be preempted."""
+        while True:
+            new, cow = self._block_need(seq, n)
+            if new + len(cow) <= self.blocks.num_free:
+                break
+            victim = next((v for v in reversed(self.running)
+                           if v is not seq and v.seq_id not in scheduled), None)
+            if victim is None:
+                self._preempt(seq, plan)
+                return False
+            self._preempt(victim, plan)
+        for j in cow:
+            dst = self.blocks.alloc(1)[0]
+            plan.block_copies.append((seq.blocks[j], dst))
+            self.blocks.free([seq.blocks[j]])
+            seq.blocks[j] = dst
+            plan.block_table_updates.append((seq.slot, j, [dst]))
+        if new:
+            start = len(seq.blocks)
+            got = self.blocks.alloc(new)
+            seq.blocks += got
+            plan.block_table_updates.append((seq.slot, start, got))
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self._release(seq)
+        for c in seq.pending_children:
+            if c.slot is not None:
+                self.slots.free(c.slot)
+                c.slot = None
+        seq.status = SeqStatus.WAITING
+        seq.num_computed = 0
+        self.running.remove(seq)
+        bisect.insort(self.waiting, seq, key=lambda s: s.priority)
+        self.stats.num_preemptions += 1
+        plan.preempted.append(seq.seq_id)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None
+        if seq.blocks:
+            self.blocks.free(seq.blocks)
+            seq.blocks = []
+
+    def _prefill_row(self, seq: Sequence, n: int, plan: StepPlan) -> PrefillRow:
+        start = seq.num_computed
+        row = PrefillRow(seq.seq_id, seq.token_ids[start:start + n], start, seq.slot, list(seq.blocks))
+        req = seq.group
+        if req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < req.prompt_len:
+            done = len(req.prompt_logprobs)  # entries for prompt positions [0, done)
+            nxt = [seq.token_ids[p + 1] if done <= p + 1 < seq.prompt_len else None for p in range(start, start + n)]
+            if any(t is not None for t in nxt):
+                row.prompt_logprobs, row.next_token_ids = req.params.prompt_logprobs, nxt
+        if start + n == len(seq.token_ids):
+            row.samples.append(self._sampling_row(seq))
+            for c in seq.pending_children:  # fork the n > 1 samples off the finished prompt
+                c.blocks = list(seq.blocks)
+                for b in c.blocks:
+                    self.blocks.share(b)
+                c.num_computed = len(seq.token_ids)
+                c.status = SeqStatus.RUNNING
+                bisect.insort(self.running, c, key=lambda s: s.priority)
+                plan.slot_copies.append((seq.slot, c.slot))
+                plan.block_table_updates.append((c.slot, 0, list(c.blocks)))
+                row.samples.append(self._sampling_row(c))
+            seq.pending_children = []
+        return row
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.group.params
+        u = 0.5 if p.temperature < 1e-5 else uniform_for(seq.seed, seq.num_output)  # greedy: unused
+        row = SamplingRow(seq.seq_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                          u=u, presence_penalty=p.presence_penalty,
+                          frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                          logprobs=p.logprobs)
+        if row.presence_penalty or row.frequency_penalty or row.repetition_penalty != 1.0:
+            row.output_token_ids = seq.output_token_ids
+            if row.repetition_penalty != 1.0:
+                row.prompt_token_ids = seq.group.prompt_token_ids
+        if seq.num_output < p.min_tokens:
+            banned = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned |= self.eos_token_ids
+            row.banned_token_ids = sorted(banned)
+        return row
+
+    # ---- results --------------------------------------------------------------------------
+    def postprocess(self, plan: StepPlan, result: StepResult, now: float | None = None) -> list[Request]:
+        """Apply a step's sampled tokens; returns the requests with new output (finished included)."""
+        now = time.monotonic() if now is None else now
+        touched: dict[str, Request] = {}
+        sampled: list[Sequence] = []
+        for row in plan.decode:
+            seq = self.seqs.get(row.sampling.seq_id)
+            if seq is None or seq.finished:
+                continue
+            seq.num_computed += 1
+            sampled.append(seq)
+        for row in plan.prefill:
+            seq = self.seqs.get(row.seq_id)
+            if seq is None or seq.finished:
+                continue
+            seq.num_computed += len(row.token_ids)
+            plp = result.prompt_logprobs.get(row.seq_id)
+            if plp and seq.group.prompt_logprobs is not None:
+                seq.group.prompt_logprobs.extend(plp)
+                touched[seq.group.request_id] = seq.group
+            for s in row.samples:
+                child = self.seqs.get(s.seq_id)
+                if child is not None and not child.finished:
+                    sampled.append(child)
+        for seq in sampled:
+            tok = result.sampled.get(seq.seq_id)
+            if tok is None:
+                raise RuntimeError(f"runner returned no token for sequence {seq.seq_id}")
+            self._append(seq, tok, now)
+            touched[seq.group.request_id] = seq.group
+        return list(touched.values())
+
+    def _append(self, seq: Sequence, tok: SampledToken, now: float) -> None:
+        req, p = seq.group, seq.group.params
+        seq.token_ids.append(tok.token_id)
+        self.stats.generation_tokens += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(tok.logprobs or {})
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if req.first_token_time is None:
+            req.first_token_time = now
+        seq.last_token_time = now
+        t = tok.token_id
+        stopped_by_token = None
+        if seq.num_output >= p.min_tokens:
+            if t in p.stop_token_ids:
+                stopped_by_token = t
+            elif not p.ignore_eos and t in self.eos_token_ids:
+                stopped_by_token = -1  # EOS: stop_reason None
+        new_chars = 0
+        if seq.detok is not None and (stopped_by_token is None or p.include_stop_str_in_output):
+            delta = seq.detok.update(t)
+            seq.text += delta
+            new_chars = len(delta)
+        if stopped_by_token is not None:
+            self._finish(seq, "stop", None if stopped_by_token == -1 else stopped_by_token)
+            return
+        if p.stop and new_chars and seq.num_output >= p.min_tokens:
+            hit = _find_stop(seq.text, new_chars, p.stop, p.include_stop_str_in_output)
+            if hit is not None:
+                stop, cut = hit
+                if cut is not None:
+                    seq.text = seq.text[:cut]
+                self._finish(seq, "stop", stop)
+                return
+        if len(seq.token_ids) >= self.max_len_for(seq.prompt_len, p):
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        for c in seq.pending_children:  # only on abort before the fork
+            if c.slot is not None:
+                self.slots.free(c.slot)
+                c.slot = None
+            c.status = SeqStatus.FINISHED
+            c.finish_reason = reason
+            self.seqs.pop(c.seq_id, None)
+        seq.pending_children = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.seqs.pop(seq.seq_id, None)
+        req = seq.group
+        if req.finished and req.request_id in self.requests:
+            req.finished_time = time.monotonic()
+            del self.requests[req.request_id]
+
+    def check_idle_integrity(self) -> None:
+        """When nothing is queued, every state slot and KV block must be back in its free list."""
+        if self.requests or self.running or self.waiting or self.seqs:
+            raise RuntimeError(f"scheduler not idle: {len(self.requests)} requests, {len(self.running)} running, "
+                               f"{len(self.waiting)} waiting, {len(self.seqs)} sequences")
+        self.slots.check_all_free()
+        self.blocks.check_all_free()
+
+
+def _find_stop(text: str, new_chars: int, stops: list[str], include: bool) -> tuple[str, int | None] | None:
+    """The first stop string that ends inside the newest `new_chars` characters: (stop, cut index or
+    None to keep the whole text)."""
+    for stop in stops:
+        start = max(0, len(text) - new_chars - len(stop) + 1)
+        i = text.find(stop, start)
+        if i == -1:
+            continue
+        if include:
+            i += len(stop)
+            return stop, (i if i < len(text) else None)
+        return stop, i
+    return None

@@ -1,0 +1,89 @@
+"""The FastAPI app: routes, API-key dependency, OpenAI-shaped error handlers, engine lifecycle.
+
+    app = build_app(engine, served_model_names=["my-model"], api_key="secret")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+`engine` is an AsyncLLMEngine (or anything with its interface: generate / abort / tokenizer /
+stats / shutdown). On shutdown (uvicorn's SIGINT/SIGTERM handling) the app lets in-flight requests
+finish for up to `shutdown_timeout` seconds, then aborts the rest and stops the engine.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from linrnn_server.auth import require_api_key
+from linrnn_server.engine_client import EngineClient
+from linrnn_server.errors import APIError, http_error, internal
+from linrnn_server.metrics import ServerMetrics
+from linrnn_server.routes import chat, completions, health, metrics, models, tokenize
+from linrnn_server.serving import ClientDisconnected, ServerState
+
+log = logging.getLogger(__name__)
+
+
+def build_app(engine: Any, served_model_names: list[str] | None = None, api_key: str | None = None,
+              shutdown_mode: str = "finish", shutdown_timeout: float = 10.0, owns_engine: bool = True) -> FastAPI:
+    """The OpenAI-compatible app over `engine`. With `owns_engine`, the app's shutdown stops the engine
+    ('finish': in-flight requests may complete within `shutdown_timeout`, then the rest are aborted)."""
+    client = EngineClient(engine, served_model_names)
+    state = ServerState(client, ServerMetrics(client.served_model_names[0]), api_key or None)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        log.info("serving %s (max_model_len %d)%s", ", ".join(client.served_model_names), client.max_model_len,
+                 "; API key required on /v1 and /tokenize, /detokenize" if state.api_key else "")
+        yield
+        if owns_engine:
+            log.info("shutting down: %d request(s) in flight", len(state.active))
+            await client.shutdown(mode=shutdown_mode, timeout=shutdown_timeout)
+
+    app = FastAPI(title="linrnn-serve", description="OpenAI-compatible API of linrnn-serve", lifespan=lifespan)
+    app.state.server = state
+    secured = [Depends(require_api_key)]
+    app.include_router(health.router)
+    app.include_router(metrics.router)
+    app.include_router(models.router, dependencies=secured)
+    app.include_router(completions.router, dependencies=secured)
+    app.include_router(chat.router, dependencies=secured)
+    app.include_router(tokenize.router, dependencies=secured)
+
+    def render(err: APIError) -> JSONResponse:
+        state.metrics.refused[str(err.status)] += 1
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return render(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):  # path / query parameters
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
+        return render(APIError(f"Invalid value for '{loc}': {first.get('msg')}", 400, param=loc or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = f"Unknown route: {request.method} {request.url.path}" if exc.status_code == 404 else None
+        if exc.status_code == 405:
+            msg = f"Method {request.method} is not allowed on {request.url.path}"
+        return render(http_error(exc.status_code, msg))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return render(internal(exc))
+
+    return app
+

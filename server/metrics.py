@@ -1,0 +1,103 @@
+"""Prometheus metrics in the text exposition format (0.0.4), rendered without a client library.
+
+The engine owns the numbers (`AsyncLLMEngine.stats()`: scheduler gauges, cache usage, token and
+preemption counters, TTFT / inter-token / end-to-end histograms); this module renders that snapshot
+generically, so a series the engine adds later shows up without a server change:
+
+    number, key ending in `_total`   -> counter          dict of numbers -> counter, one label per key
+    other number                     -> gauge            {"buckets", "sum", "count"} -> histogram
+
+Names follow vLLM's with the prefix `linrnn:` (`kv_cache_usage` is shown as `kv_cache_usage_perc`,
+0-1, like vLLM's). The server adds what only it sees: requests refused with an HTTP error, by status.
+The cache gauges double as the leak check of the tests: once every request has finished or been
+aborted, `linrnn:kv_cache_usage_perc` and `linrnn:state_cache_usage_perc` must be 0.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+PREFIX = "linrnn:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+RENAME = {"kv_cache_usage": "kv_cache_usage_perc", "state_cache_usage": "state_cache_usage_perc"}
+LABEL = {"request_success_total": "finished_reason", "request_refused_total": "status"}
+HELP = {
+    "num_requests_running": "Requests with a sequence in the running batch.",
+    "num_requests_waiting": "Requests waiting to be admitted (what --max-queue-len bounds).",
+    "num_seqs_running": "Sequences (samples) in the running batch.",
+    "num_seqs_waiting": "Sequences waiting (new or preempted).",
+    "kv_cache_usage_perc": "Fraction of paged-KV blocks in use (0-1).",
+    "state_cache_usage_perc": "Fraction of recurrent-state slots in use (0-1).",
+    "num_preemptions_total": "Sequences preempted (recomputed later).",
+    "prompt_tokens_total": "Prompt tokens of admitted requests.",
+    "generation_tokens_total": "Generated tokens.",
+    "recomputed_tokens_total": "Tokens prefilled again after a preemption.",
+    "request_success_total": "Finished requests by finish reason.",
+    "num_steps_total": "Engine steps run.",
+    "time_to_first_token_seconds": "Time from request arrival to its first token.",
+    "inter_token_latency_seconds": "Time between output tokens (per-sequence mean).",
+    "e2e_request_latency_seconds": "Time from request arrival to its end.",
+    "request_refused_total": "Requests refused with an HTTP error, by status.",
+}
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, int):
+        return str(v)
+    v = float(v)
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return "NaN" if v != v else repr(v)
+
+
+def _labels(labels: dict[str, Any]) -> str:
+    if not labels:
+        return ""
+    esc = {k: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for k, v in labels.items()}
+    return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def render_series(name: str, value: Any, base: dict[str, str]) -> list[str]:
+    """One metric family from one stats entry; [] for values it does not know how to show."""
+    name = RENAME.get(name, name)
+    full = PREFIX + name
+    head = [f"# HELP {full} {HELP.get(name, name.replace('_', ' '))}"]
+    if _is_number(value):
+        kind = "counter" if name.endswith("_total") else "gauge"
+        return head + [f"# TYPE {full} {kind}", f"{full}{_labels(base)} {_num(value)}"]
+    if isinstance(value, dict) and {"buckets", "sum", "count"} <= set(value):
+        out = head + [f"# TYPE {full} histogram"]
+        for le, cum in value["buckets"]:
+            out.append(f"{full}_bucket{_labels({**base, 'le': _num(le)})} {_num(cum)}")
+        out.append(f"{full}_sum{_labels(base)} {_num(value['sum'])}")
+        out.append(f"{full}_count{_labels(base)} {_num(value['count'])}")
+        return out
+    if isinstance(value, dict) and all(_is_number(v) for v in value.values()):
+        label = LABEL.get(name, "key")
+        kind = "counter" if name.endswith("_total") else "gauge"
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return head + [f"# TYPE {full} {kind}"] + [f"{full}{_labels({**base, label: k})} {_num(v)}" for k, v in items]
+    return []
+
+
+class ServerMetrics:
+    """What /metrics shows beyond the engine's snapshot. Updated on the event loop thread only."""
+
+    def __init__(self, model_name: str):
+        self.labels = {"model_name": model_name}
+        self.refused: dict[str, int] = defaultdict(int)  # HTTP status -> requests refused
+
+    def render(self, engine_stats: dict[str, Any] | None) -> str:
+        lines: list[str] = []
+        for name, value in (engine_stats or {}).items():
+            lines += render_series(name, value, self.labels)
+        lines += render_series("request_refused_total", dict(self.refused), self.labels)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,62 @@
+"""The one place that turns things into wire text: chat messages -> prompt (the checkpoint's chat
+template, through the engine's tokenizer) and response objects -> Server-Sent Events frames."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel
+
+from linrnn_server.errors import APIError, bad_request
+from linrnn_server.protocol import ChatMessage
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+
+
+def sse_frame(obj: BaseModel | dict[str, Any]) -> bytes:
+    """One `data: <json>` event. Nulls are kept: OpenAI chunks carry e.g. `"finish_reason": null`."""
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
+    return b"data: " + data.encode("utf-8") + b"\n\n"
+
+
+def sse_error(err: APIError) -> bytes:
+    """An error after the stream started (headers already sent): an error event, then [DONE]."""
+    return sse_frame(err.body()) + SSE_DONE
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: plain dicts, text content joined, no nulls.
+    'developer' (OpenAI's newer name for the system role) is given to the template as 'system'."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            v = getattr(m, key)
+            if v is not None:
+                d[key] = v
+        out.append(d)
+    return out
+
+
+def render_chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text for a chat request, rendered with the checkpoint's chat template."""
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          "continue_final_message")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise bad_request("'continue_final_message' needs a final assistant message", "continue_final_message")
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in ("messages", "add_generation_prompt", "continue_final_message", "tokenize", "chat_template"):
+        if reserved in kwargs:
+            raise bad_request(f"chat_template_kwargs may not set '{reserved}'", "chat_template_kwargs")
+    try:
+        return tokenizer.apply_chat_template(message_dicts(messages), add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
+    except APIError:
+        raise
+    except Exception as e:  # jinja2 TemplateError (raise_exception in the template), missing template
+        raise bad_request(f"Cannot apply the model's chat template to these messages: {e}", "messages",
+                          "chat_template_error") from e

@@ -1,0 +1,1 @@
+"""One module per endpoint; each exposes `router` (routes stay thin: parse, check, call serving)."""

@@ -1,0 +1,168 @@
+"""POST /v1/completions: prompt as a string, strings, token ids or lists of token ids; streaming or not.
+
+Choices are numbered `prompt_index * n + sample_index` (as OpenAI and vLLM do for list prompts).
+`echo` prepends the prompt (its text, or its ids decoded); with `logprobs` it also returns the prompt
+tokens' logprobs, the first being null.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
+from linrnn_server.engine_client import EngineClient
+from linrnn_server.errors import APIError, from_engine_error, internal
+from linrnn_server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                    UsageInfo)
+from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, sse_error, sse_frame
+from linrnn_server.serving import (Generation, check_model, check_prompt, clamp_logprob, new_id, parse_body,
+                                   sampling_params, state_of, until_disconnect, usage_of)
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+def _prompts(eng: EngineClient, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and text (None for id prompts: decoded only if echoed) of each prompt."""
+    if isinstance(prompt, str):
+        return [eng.encode(prompt)], [prompt]
+    if not prompt:
+        return [[]], [None]
+    if isinstance(prompt[0], str):
+        return [eng.encode(p) for p in prompt], list(prompt)
+    if isinstance(prompt[0], int):
+        return [list(prompt)], [None]
+    return [list(p) for p in prompt], [None] * len(prompt)
+
+
+class _LogprobBuilder:
+    """Appends tokens to a CompletionLogprobs, keeping text_offset running across stream chunks."""
+
+    def __init__(self, eng: EngineClient, offset: int = 0):
+        self.eng, self.offset = eng, offset
+
+    def add(self, into: CompletionLogprobs, token_ids: list[int], entries: list[dict[int, float] | None],
+            first_is_null: bool = False) -> CompletionLogprobs:
+        for j, (tid, d) in enumerate(zip(token_ids, entries)):
+            tok = self.eng.token_str(tid)
+            into.tokens.append(tok)
+            into.text_offset.append(self.offset)
+            self.offset += len(tok)
+            if d is None or (first_is_null and j == 0):
+                into.token_logprobs.append(None)
+                into.top_logprobs.append(None)
+                continue
+            into.token_logprobs.append(clamp_logprob(d.get(tid)))
+            # the sampled token and the top-N alternatives (so up to N+1 entries, as OpenAI documents)
+            into.top_logprobs.append({self.eng.token_str(k): clamp_logprob(v)
+                                      for k, v in sorted(d.items(), key=lambda kv: -kv[1])})
+        return into
+
+
+def _echo_text(eng: EngineClient, text: str | None, ids: list[int]) -> str:
+    return text if text is not None else eng.decode(ids, skip_special_tokens=False)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request):
+    state = state_of(request)
+    eng = state.engine
+    req = await parse_body(request, CompletionRequest)
+    req.check_neutral()
+    model = check_model(state, req.model)
+    prompts, texts = _prompts(eng, req.prompt)
+    echo_logprobs = req.echo and req.logprobs is not None
+    params = sampling_params(req, req.max_tokens, req.logprobs, req.logprobs if echo_logprobs else None)
+    for ids in prompts:
+        check_prompt(eng, ids, req.max_tokens, params, "prompt")
+
+    gen = Generation(state, new_id("cmpl"), prompts, params)
+    await until_disconnect(request, gen.start())
+    created = int(time.time())
+    if req.stream:
+        return StreamingResponse(_stream(gen, req, model, created, texts, eng), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    finals = await until_disconnect(request, gen.final_outputs())
+    choices = []
+    for pi, ro in enumerate(finals):
+        for c in ro.outputs:
+            choices.append(_choice(eng, req, pi, ro, c, texts[pi]))
+    p, g = usage_of(finals)
+    resp = CompletionResponse(id=gen.base_id, created=created, model=model, choices=choices,
+                              usage=UsageInfo(prompt_tokens=p, completion_tokens=g, total_tokens=p + g))
+    return JSONResponse(resp.model_dump())
+
+
+def _choice(eng: EngineClient, req: CompletionRequest, pi: int, ro: RequestOutput, c: CompletionOutput,
+            prompt_text: str | None) -> CompletionChoice:
+    text, logprobs = c.text, None
+    prefix = _echo_text(eng, prompt_text, ro.prompt_token_ids) if req.echo else ""
+    if req.logprobs is not None:
+        logprobs = CompletionLogprobs()
+        b = _LogprobBuilder(eng)
+        if req.echo:
+            b.add(logprobs, ro.prompt_token_ids, ro.prompt_logprobs or [None] * len(ro.prompt_token_ids), True)
+            b.offset = len(prefix)
+        b.add(logprobs, c.token_ids, c.logprobs or [])
+    return CompletionChoice(index=pi * req.num_samples + c.index, text=prefix + text, logprobs=logprobs,
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+async def _stream(gen: Generation, req: CompletionRequest, model: str, created: int, texts: list[str | None],
+                  eng: EngineClient) -> AsyncIterator[bytes]:
+    sent_chars: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    builders: dict[int, _LogprobBuilder] = {}
+    finished: set[int] = set()
+    last: dict[int, RequestOutput] = {}
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        return sse_frame(CompletionResponse(id=gen.base_id, created=created, model=model, choices=choices,
+                                            usage=usage))
+
+    def usage() -> UsageInfo:
+        p, g = usage_of(list(last.values()))
+        return UsageInfo(prompt_tokens=p, completion_tokens=g, total_tokens=p + g)
+
+    try:
+        async for pi, ro in gen.outputs():
+            last[pi] = ro
+            for c in ro.outputs:
+                idx = pi * req.num_samples + c.index
+                if idx in finished:
+                    continue
+                first = idx not in sent_chars
+                start_chars, start_tok = sent_chars.get(idx, 0), sent_tokens.get(idx, 0)
+                delta = c.text[start_chars:] if len(c.text) > start_chars else ""
+                new_ids = c.token_ids[start_tok:]
+                prefix = _echo_text(eng, texts[pi], ro.prompt_token_ids) if req.echo and first else ""
+                logprobs = None
+                if req.logprobs is not None:
+                    b = builders.setdefault(idx, _LogprobBuilder(eng))
+                    logprobs = CompletionLogprobs()
+                    if req.echo and first:
+                        b.add(logprobs, ro.prompt_token_ids,
+                              ro.prompt_logprobs or [None] * len(ro.prompt_token_ids), True)
+                        b.offset = len(prefix)
+                    b.add(logprobs, new_ids, (c.logprobs or [])[start_tok:])
+                if not (delta or prefix or c.finished or (logprobs is not None and new_ids)):
+                    continue
+                sent_chars[idx] = start_chars + len(delta)
+                sent_tokens[idx] = len(c.token_ids)
+                if c.finished:
+                    finished.add(idx)
+                choice = CompletionChoice(index=idx, text=prefix + delta, logprobs=logprobs,
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                yield chunk([choice], usage() if req.continuous_usage else None)
+        if req.include_usage:
+            yield chunk([], usage())
+        yield SSE_DONE
+    except APIError as e:
+        yield sse_error(e)
+    except Exception as e:  # an engine failure mid-stream: tell the client, then end the stream
+        log.exception("stream %s failed", gen.base_id)
+        yield sse_error(from_engine_error(e) or internal(e))

@@ -1,0 +1,257 @@
+"""What the generation routes share: request parsing, model-name and sampling-parameter checks, and
+`Generation`, which runs one HTTP request's engine requests (one per prompt), merges their
+streams, and aborts everything when the client goes away."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, TypeVar
+
+import anyio
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from linrnn_serve.engine.outputs import RequestOutput
+from linrnn_serve.sampling_params import SamplingParamError, SamplingParams
+from linrnn_server.engine_client import EngineClient
+from linrnn_server.errors import (APIError, bad_request, from_engine_error, from_validation_error, internal,
+                                  model_not_found)
+from linrnn_server.metrics import ServerMetrics
+from linrnn_server.protocol import RequestModel
+
+M = TypeVar("M", bound=RequestModel)
+log = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready; its requests were aborted."""
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    metrics: ServerMetrics
+    api_key: str | None = None
+    active: set[str] = field(default_factory=set)  # engine request ids in flight
+    started: float = field(default_factory=time.time)
+
+    @property
+    def model_names(self) -> list[str]:
+        return self.engine.served_model_names
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as `model`. Content-Type is not required (curl -d sends a form type)."""
+    raw = await request.body()
+    if not raw.strip():
+        raise bad_request("The request body is empty: send a JSON object.", None, "invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise from_validation_error(e, model.TYPE_HINTS) from None
+
+
+def check_model(state: ServerState, name: str | None) -> str:
+    """The served name a request addresses (the first served name when it names none)."""
+    if name is None or name == "":
+        return state.model_names[0]
+    if name not in state.model_names:
+        raise model_not_found(name, state.model_names)
+    return name
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from the fields /v1/completions and /v1/chat/completions share, validated."""
+    def val(v, default):
+        return default if v is None else v
+
+    p = SamplingParams(
+        n=req.num_samples, temperature=val(req.temperature, 1.0), top_p=val(req.top_p, 1.0), top_k=val(req.top_k, 0),
+        min_p=val(req.min_p, 0.0), seed=req.seed, presence_penalty=val(req.presence_penalty, 0.0),
+        frequency_penalty=val(req.frequency_penalty, 0.0), repetition_penalty=val(req.repetition_penalty, 1.0),
+        max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_list,
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens)
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k must be -1, 0 or positive, got {req.top_k}", "top_k", "invalid_value")
+    try:
+        p.validate()
+    except SamplingParamError as e:
+        raise bad_request(str(e), e.param, "invalid_value") from None
+    return p
+
+
+def check_prompt(engine: EngineClient, ids: list[int], max_tokens: int | None, params: SamplingParams,
+                 what: str) -> None:
+    """Refuse prompts the engine cannot run: empty, unknown token ids, or too long for the context."""
+    if not ids:
+        raise bad_request(f"The {what} is empty (it has no tokens).", what, "invalid_value")
+    bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None) if engine.vocab_size else None
+    if bad is not None:
+        raise bad_request(f"Token id {bad} in the {what} is out of range (the vocabulary has "
+                          f"{engine.vocab_size} tokens).", what, "invalid_value")
+    limit = engine.max_model_len
+    want = len(ids) + (max_tokens or 1)
+    if want > limit:
+        detail = (f"{len(ids)} in the {what}, {max_tokens} in the completion" if max_tokens
+                  else f"{len(ids)} in the {what}, at least 1 in the completion")
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested {want} "
+                          f"tokens ({detail}). Please reduce the length of the {what} or completion.",
+                          what if len(ids) >= limit or not max_tokens else "max_tokens", "context_length_exceeded")
+    if params.n > engine.max_num_seqs:
+        raise bad_request(f"n={params.n} exceeds this server's --max-num-seqs ({engine.max_num_seqs})", "n",
+                          "invalid_value")
+
+
+async def until_disconnect(request: Request, coro):
+    """Await `coro`, cancelling it if the client disconnects first (then raise ClientDisconnected).
+    Streaming responses get the same from Starlette once they have started."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch():
+        while True:
+            if (await request.receive())["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+class Generation:
+    """One HTTP request: one engine request per prompt, each with `params.n` samples.
+
+    `start()` submits them all and waits for each one's first output, so that refusals (queue full,
+    prompt too long) become HTTP errors before a stream's 200 header is sent. `outputs()` then
+    yields `(prompt_index, cumulative RequestOutput)` as they arrive from any prompt.
+    """
+
+    def __init__(self, state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams):
+        self.state, self.base_id, self.prompts, self.params = state, base_id, prompts, params
+        self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        self._iters: list[AsyncIterator[RequestOutput]] = []
+        self._first: list[RequestOutput] = []
+
+    async def start(self) -> None:
+        eng = self.state.engine
+        self._iters = [eng.generate(ids, self.params, rid) for ids, rid in zip(self.prompts, self.ids)]
+        self.state.active.update(self.ids)
+        try:
+            results = await asyncio.gather(*(anext(it) for it in self._iters), return_exceptions=True)
+        except BaseException:  # cancelled: the client went away, or shutdown
+            await self.close()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            for e in errors:
+                if isinstance(e, StopAsyncIteration):
+                    continue
+                mapped = from_engine_error(e, at_submit=True)
+                if mapped is not None:
+                    raise mapped
+            e = next((e for e in errors if not isinstance(e, StopAsyncIteration)), None)
+            if e is None:
+                raise internal(RuntimeError("the engine ended a request without output"))
+            if isinstance(e, (asyncio.CancelledError, APIError)):
+                raise e
+            raise internal(e) from e
+        self._first = list(results)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The primed first outputs, then every later one, interleaved across prompts."""
+        try:
+            for i, out in enumerate(self._first):
+                yield i, out
+            pending = [i for i, out in enumerate(self._first) if not out.finished]
+            if len(pending) == 1:  # the common case: no merging machinery
+                i = pending[0]
+                async for out in self._iters[i]:
+                    yield i, out
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int) -> None:
+                try:
+                    async for out in self._iters[i]:
+                        queue.put_nowait((i, out, None))
+                except Exception as e:  # noqa: BLE001 - handed to the consumer
+                    queue.put_nowait((i, None, e))
+                    return
+                queue.put_nowait((i, None, None))
+
+            tasks = [asyncio.ensure_future(pump(i)) for i in pending]
+            try:
+                remaining = len(tasks)
+                while remaining:
+                    i, out, err = await queue.get()
+                    if err is not None:
+                        raise err
+                    if out is None:
+                        remaining -= 1
+                        continue
+                    yield i, out
+            finally:
+                for t in tasks:
+                    t.cancel()
+                with anyio.CancelScope(shield=True):
+                    await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await self.close()
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        last = list(self._first)
+        try:
+            async for i, out in self.outputs():
+                last[i] = out
+        except APIError:
+            raise
+        except Exception as e:  # the engine failed mid-request: a 500 with an error object
+            log.exception("request %s failed", self.base_id)
+            raise from_engine_error(e) or internal(e) from e
+        return last
+
+    async def close(self) -> None:
+        """Abort whatever has not finished (each stream's cleanup aborts its request)."""
+        with anyio.CancelScope(shield=True):
+            for it in self._iters:
+                try:
+                    await it.aclose()
+                except BaseException:  # noqa: BLE001 - best effort
+                    pass
+        self.state.active.difference_update(self.ids)
+
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf (vLLM clamps the same way)
+
+
+def clamp_logprob(v: float | None) -> float:
+    return LOGPROB_FLOOR if v is None or v != v or v < LOGPROB_FLOOR else float(v)
+
+
+def usage_of(outputs: list[RequestOutput]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens): each prompt once, every generated token of every sample."""
+    return (sum(len(o.prompt_token_ids) for o in outputs),
+            sum(len(c.token_ids) for o in outputs for c in o.outputs))

@@ -1,0 +1,305 @@
+"""Gated-DeltaNet Triton kernels (decode, chunked varlen prefill, causal conv1d) against the naive
+reference, with hybrid f32/bf16 state partitions (issue #4).
+
+CPU: the kernels run under TRITON_INTERPRET=1 on reduced shapes that keep the structure (grouped value
+heads, both partitions, several Dv tiles, partial chunks). GPU (-m gpu): Qwen3.5-35B-A3B head shapes
+(Hk=16, Hv=32, Dk=Dv=128). Outputs, scratch and unused pool slots are NaN-poisoned: an element the
+kernel should have written but did not, or a slot it should not have touched, fails the test.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from linrnn_kernels.gdn import conv as conv_k
+from linrnn_kernels.gdn import decode as decode_k
+from linrnn_kernels.gdn import naive
+from linrnn_kernels.gdn import prefill as prefill_k
+
+CUDA = torch.cuda.is_available()
+SMALL = dict(Hk=2, Hv=4, Dk=16, Dv=32)  # group 2, two Dv tiles of 16 in decode
+FULL = dict(Hk=16, Hv=32, Dk=128, Dv=128)  # Qwen3.5-35B-A3B
+TOL_F32 = 1e-5  # max-abs relative, f32 activations and f32 heads
+TOL_BF16 = 1e-2  # relative Frobenius, bf16 state / bf16 activations
+# the interpreter rounds f32 -> bf16 by truncation (GPUs round to nearest even), which roughly doubles the
+# error of the "bf16" matmul mode; GPU runs use TOL_BF16
+TOL_BF16_MM = 1e-2 if CUDA else 3e-2
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def rel_max(a, b) -> float:
+    """max |a - b| / max |b|; NaN anywhere fails."""
+    a, b = a.float(), b.float()
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return math.inf
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def rel_fro(a, b) -> float:
+    a, b = a.float(), b.float()
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors (kernel outputs and scratch) while a test runs."""
+    real = torch.empty
+
+    def empty(*args, **kw):
+        t = real(*args, **kw)
+        if t.is_floating_point():
+            t.fill_(math.nan)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def head_map(Hv: int, kind: str):
+    """bf16 mask for a layer: 'f32' (all f32), 'bf16' (all bf16), or a hybrid fraction like '0.3' of f32."""
+    if kind == "f32":
+        return [False] * Hv
+    if kind == "bf16":
+        return [True] * Hv
+    g = torch.Generator().manual_seed(Hv)
+    n_f32 = max(1, min(Hv - 1, round(float(kind) * Hv)))
+    f32_heads = set(torch.randperm(Hv, generator=g)[:n_f32].tolist())
+    return [h not in f32_heads for h in range(Hv)]
+
+
+def make_pools(Hv, Dk, Dv, slots, bf16_mask, live_slots, device):
+    """Hybrid pools with random states in live slots and NaN everywhere else (slot 0 included)."""
+    nb = sum(bf16_mask)
+    nf = Hv - nb
+    local, cf, cb = [], 0, 0
+    for is_b in bf16_mask:
+        local.append(cb if is_b else cf)
+        cb, cf = cb + is_b, cf + (not is_b)
+    f32 = torch.full((slots, nf, Dk, Dv), math.nan, dtype=torch.float32, device=device)
+    bf = torch.full((slots, nb, Dk, Dv), math.nan, dtype=torch.bfloat16, device=device)
+    live = torch.tensor(sorted(set(live_slots)), dtype=torch.long, device=device)
+    f32[live] = 0.3 * torch.randn(len(live), nf, Dk, Dv, device=device)
+    bf[live] = (0.3 * torch.randn(len(live), nb, Dk, Dv, device=device)).bfloat16()
+    return (f32, bf, torch.tensor(bf16_mask, dtype=torch.int32, device=device),
+            torch.tensor(local, dtype=torch.int32, device=device))
+
+
+def make_inputs(T, Hk, Hv, Dk, Dv, dtype, device, seed=0):
+    """q, k, v as strided views of one fused row (like the conv output split), a, b as views of another;
+    A_log / dt_bias with SPEC §3's realistic timescales (short to long memory)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    key, val = Hk * Dk, Hv * Dv
+    qkv = torch.randn(T, 2 * key + val + 8, generator=g)[:, 4:4 + 2 * key + val].to(device=device, dtype=dtype)
+    ba = torch.randn(T, 2 * Hv + 3, generator=g).to(device=device, dtype=dtype)
+    q = qkv[:, :key].view(T, Hk, Dk)
+    k = qkv[:, key:2 * key].view(T, Hk, Dk)
+    v = qkv[:, 2 * key:].view(T, Hv, Dv)
+    b, a = ba[:, :Hv], ba[:, Hv:2 * Hv]
+    A_log = torch.empty(Hv).uniform_(1, 16, generator=g).log().to(device)
+    dt = torch.exp(torch.empty(Hv).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+    dt_bias = (dt + torch.log(-torch.expm1(-dt))).to(device)
+    return q, k, v, a, b, A_log, dt_bias
+
+
+def check_pools(got, ref, live_slots, tol_f32, tol_bf16=TOL_BF16):
+    """f32 partition within tol_f32 (max-abs rel), bf16 partition within tol_bf16 (Frobenius), and every
+    slot outside live_slots still NaN (untouched)."""
+    (gf, gb), (rf, rb) = got, ref
+    live = sorted(set(live_slots))
+    dead = [s for s in range(gf.shape[0]) if s not in live]
+    if gf.shape[1]:
+        assert rel_max(gf[live], rf[live]) <= tol_f32
+        assert torch.isnan(gf[dead]).all(), "a kernel wrote to a slot it does not own"
+    if gb.shape[1]:
+        assert rel_fro(gb[live], rb[live]) <= tol_bf16
+        assert torch.isnan(gb[dead].float()).all(), "a kernel wrote to a slot it does not own"
+
+
+def run_decode(shape, B, kind, dtype, device, config=None):
+    Hk, Hv, Dk, Dv = shape["Hk"], shape["Hv"], shape["Dk"], shape["Dv"]
+    slots = B + 3
+    idx = (torch.randperm(slots - 1)[:B] + 1).to(torch.int32).to(device)  # distinct live slots, never 0
+    q, k, v, a, b, A_log, dt_bias = make_inputs(B, Hk, Hv, Dk, Dv, dtype, device)
+    f32, bf, isb, loc = make_pools(Hv, Dk, Dv, slots, head_map(Hv, kind), idx.tolist(), device)
+    rf, rb = f32.clone(), bf.clone()
+    o_ref = naive.gdn_decode(q, k, v, a, b, A_log, dt_bias, rf, rb, isb, loc, idx)
+    o = decode_k.gdn_decode(q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx, config=config)
+    assert o.dtype == v.dtype and o.shape == v.shape
+    if dtype == torch.float32:
+        assert rel_max(o, o_ref) <= TOL_F32
+    else:
+        assert rel_fro(o, o_ref) <= TOL_BF16
+    check_pools((f32, bf), (rf, rb), idx.tolist(), TOL_F32)
+
+
+def run_prefill(shape, lens, kind, dtype, device, precision=None, config=None, tol_o=None, tol_s=None):
+    Hk, Hv, Dk, Dv = shape["Hk"], shape["Hv"], shape["Dk"], shape["Dv"]
+    B, T = len(lens), sum(lens)
+    slots = B + 3
+    idx = (torch.randperm(slots - 1)[:B] + 1).to(torch.int32).to(device)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q, k, v, a, b, A_log, dt_bias = make_inputs(T, Hk, Hv, Dk, Dv, dtype, device)
+    f32, bf, isb, loc = make_pools(Hv, Dk, Dv, slots, head_map(Hv, kind), idx.tolist(), device)
+    rf, rb = f32.clone(), bf.clone()
+    o_ref = naive.gdn_prefill(q, k, v, a, b, A_log, dt_bias, cu, rf, rb, isb, loc, idx)
+    o = prefill_k.gdn_prefill(q, k, v, a, b, A_log, dt_bias, cu, f32, bf, isb, loc, idx, precision=precision,
+                              config=config)
+    assert o.dtype == v.dtype and o.shape == v.shape
+    exact = prefill_k.resolve_precision(q.dtype, precision) == "ieee"
+    if dtype == torch.float32 and exact:
+        assert rel_max(o, o_ref) <= (tol_o or TOL_F32)
+    else:
+        assert rel_fro(o, o_ref) <= (tol_o or TOL_BF16_MM)
+    tol_s = tol_s or (TOL_F32 if exact else TOL_BF16_MM)
+    check_pools((f32, bf), (rf, rb), idx.tolist(), tol_s, max(tol_s, TOL_BF16))
+
+
+# ---- CPU (interpreter) ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B", [1, 3, 64])
+@pytest.mark.parametrize("kind", ["0.5", "f32", "bf16"])
+def test_decode_matches_reference(poison_empty, B, kind):
+    if B == 64 and kind != "0.5":
+        pytest.skip("one hybrid case is enough at B=64 on the interpreter")
+    run_decode(SMALL, B, kind, torch.float32, "cpu")
+
+
+def test_decode_bf16_activations_and_wide_tiles(poison_empty):
+    run_decode(SMALL, 3, "0.5", torch.bfloat16, "cpu")
+    run_decode(SMALL, 3, "0.5", torch.float32, "cpu", config=(32, 4))  # one Dv tile of 32
+
+
+def test_decode_rejects_bad_inputs():
+    q, k, v, a, b, A_log, dt_bias = make_inputs(2, 2, 4, 16, 16, torch.float32, "cpu")
+    f32, bf, isb, loc = make_pools(4, 16, 16, 4, [False, True, False, True], [1, 2], "cpu")
+    idx = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="partitions hold"):
+        decode_k.gdn_decode(q, k, v, a, b, A_log, dt_bias, f32[:, :1], bf, isb, loc, idx)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        decode_k.gdn_decode(q, k, v[:, :3], a[:, :3], b[:, :3], A_log[:3], dt_bias[:3], f32, bf, isb[:3], loc[:3],
+                            idx)
+    with pytest.raises(ValueError, match="state_indices"):
+        decode_k.gdn_decode(q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx[:1])
+    with pytest.raises(TypeError, match="float32 / bfloat16"):
+        decode_k.gdn_decode(q, k, v, a, b, A_log, dt_bias, f32, bf.float(), isb, loc, idx)
+
+
+@pytest.mark.parametrize("kind", ["0.5", "f32", "bf16"])
+def test_prefill_matches_reference_varlen(poison_empty, kind):
+    """Lengths 1, 63, 64, 65 and several full chunks in one varlen batch, plus an empty sequence."""
+    run_prefill(SMALL, [1, 63, 0, 64, 65, 130], kind, torch.float32, "cpu")
+
+
+def test_prefill_dv_tiling_and_single_sequence(poison_empty):
+    run_prefill(SMALL, [130], "0.5", torch.float32, "cpu", config={"state_bv": 16, "output_bv": 16})
+
+
+@pytest.mark.parametrize("precision", [None, "tf32"])
+def test_prefill_bf16_activations(poison_empty, precision):
+    """bf16 activations: default 'bf16' matmul mode (bf16 operands and scratch), and f32 scratch ('tf32',
+    exact f32 under the interpreter)."""
+    run_prefill(SMALL, [5, 64, 90], "0.5", torch.bfloat16, "cpu", precision=precision,
+                tol_o=None if precision is None else TOL_BF16, tol_s=None if precision is None else 1e-5)
+
+
+def test_prefill_rejects_bad_inputs():
+    q, k, v, a, b, A_log, dt_bias = make_inputs(4, 2, 4, 16, 16, torch.float32, "cpu")
+    f32, bf, isb, loc = make_pools(4, 16, 16, 4, [False] * 4, [1], "cpu")
+    idx = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="chunk_size 64"):
+        prefill_k.gdn_prefill(q, k, v, a, b, A_log, dt_bias, torch.tensor([0, 4], dtype=torch.int32), f32, bf, isb,
+                              loc, idx, chunk_size=32)
+    with pytest.raises(ValueError, match="cu_seqlens must be int32"):
+        prefill_k.gdn_prefill(q, k, v, a, b, A_log, dt_bias, torch.tensor([0, 4]), f32, bf, isb, loc, idx)
+    with pytest.raises(ValueError, match="precision"):
+        prefill_k.gdn_prefill(q, k, v, a, b, A_log, dt_bias, torch.tensor([0, 4], dtype=torch.int32), f32, bf, isb,
+                              loc, idx, precision="fp8")
+
+
+def run_conv(lens, dtype, device, C=200, K=4, decode=False):
+    B = len(lens)
+    slots = B + 3
+    idx = (torch.randperm(slots - 1)[:B] + 1).to(torch.int32).to(device)
+    T = sum(lens)
+    x = torch.randn(T, C + 16, device=device).to(dtype)[:, 8:8 + C]  # row-strided view, like the qkv split
+    w = torch.randn(C, K, device=device).to(dtype) * 0.5
+    state = torch.full((slots, K - 1, C), math.nan, device=device).to(dtype)
+    state[idx.long()] = torch.randn(B, K - 1, C, device=device).to(dtype)
+    ref_state = state.clone()
+    if decode:
+        y_ref = naive.conv1d_decode(x, w, ref_state, idx)
+        y = conv_k.conv1d_decode(x, w, state, idx)
+    else:
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        y_ref = naive.conv1d_varlen(x, w, ref_state, cu, idx)
+        y = conv_k.conv1d_varlen(x, w, state, cu, idx)
+    tol = TOL_F32 if dtype == torch.float32 else TOL_BF16
+    assert y.dtype == dtype and y.shape == x.shape
+    assert (rel_max if dtype == torch.float32 else rel_fro)(y, y_ref) <= tol
+    live = idx.long()
+    assert torch.equal(state[live], ref_state[live])  # the state is a copy of inputs: exact
+    dead = [s for s in range(slots) if s not in idx.tolist()]
+    assert torch.isnan(state[dead].float()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_varlen_matches_reference(poison_empty, dtype):
+    """Sequences shorter than K-1 (state rows shift through), long ones spanning token tiles, an empty one."""
+    run_conv([1, 2, 5, 70, 0, 3], dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_decode_matches_reference(poison_empty, dtype):
+    run_conv([1, 1, 1], dtype, "cpu", decode=True)
+
+
+# ---- GPU: Qwen3.5-35B-A3B shapes ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 3, 64])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "0.3", "0.5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_decode_full_shapes(poison_empty, B, kind, dtype):
+    run_decode(FULL, B, kind, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(16, 2), (32, 4), (64, 4), (64, 8)])
+def test_gpu_decode_tile_configs(poison_empty, config):
+    """Every (BV, num_warps) the benchmark sweeps is correct."""
+    run_decode(FULL, 8, "0.5", torch.float32, "cuda", config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[1], [63], [64], [65], [1000], [1, 63, 0, 64, 65, 1000, 300]])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "0.3"])
+def test_gpu_prefill_full_shapes_f32(poison_empty, lens, kind):
+    run_prefill(FULL, lens, kind, torch.float32, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "tf32x3"])
+@pytest.mark.parametrize("lens", [[1000], [1, 63, 0, 64, 65, 1000, 300]])
+def test_gpu_prefill_full_shapes_bf16(poison_empty, precision, lens):
+    run_prefill(FULL, lens, "0.3", torch.bfloat16, "cuda", precision=precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [{"state_bv": 32}, {"state_bv": 64}, {"output_bv": 32}, {"output_bv": 128},
+                                    {"wy_warps": 8, "output_warps": 8}, {"state_stages": 3}])
+def test_gpu_prefill_configs(poison_empty, config):
+    run_prefill(FULL, [1, 130, 64], "0.5", torch.bfloat16, "cuda", config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_conv(poison_empty, dtype):
+    run_conv([1, 2, 5, 700, 0, 3, 64], dtype, "cuda", C=8192)
+    run_conv([1] * 64, dtype, "cuda", C=8192, decode=True)
