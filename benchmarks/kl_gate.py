@@ -157,7 +157,7 @@ def default_text(resolved) -> str | None:
 
 def run_gate(ref: LogprobSource | dict, test: LogprobSource, tokens: list[int], ctx_list: list[int],
              max_scored: int, keep_ref: bool = False):
-    """Returns ({n_ctx: KLResult}, saved reference {n_ctx: (chunks, fp16 log-probs)})."""
+    """Returns ({n_ctx: KLResult}, saved reference {n_ctx: (chunks, f32 log-probs)})."""
     results, saved = {}, {}
     for n_ctx in ctx_list:
         first, last = scored_positions(n_ctx)
@@ -177,7 +177,7 @@ def run_gate(ref: LogprobSource | dict, test: LogprobSource, tokens: list[int], 
         for (lr, tgt), (lt, _) in zip(ref_iter, test.logprobs(cl, n_ctx)):
             acc.add(lr, lt, tgt)
             if keep_ref:
-                ref_lps.append(lr.half())
+                ref_lps.append(lr.clone())
         results[n_ctx] = acc.result()
         if keep_ref:
             saved[n_ctx] = (cl, torch.stack(ref_lps))
@@ -197,11 +197,11 @@ class SelfRef:
             saved_tau = self.source.cfg.tau
             saved_heads = (self.source.bf16_heads, self.source.state_note)
             self.source.set_tau(self.tau)
-            self.cache[key] = [(lp.half(), t) for lp, t in self.source.logprobs(cl, n_ctx)]
+            # f32: fp16 rounding of log-probs (~1e-3) would swamp the small KLDs being measured
+            self.cache[key] = list(self.source.logprobs(cl, n_ctx))
             self.source.cfg.tau = saved_tau
             self.source.bf16_heads, self.source.state_note = saved_heads
-        for lp, t in self.cache[key]:
-            yield lp.float(), t
+        yield from self.cache[key]
 
 
 def _fmt(r: KLResult) -> str:
@@ -259,7 +259,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="chunks run together")
     p.add_argument("--max-mean-kld", type=float, default=1e-3)
     p.add_argument("--min-same-top-p", type=float, default=0.995, help="fraction, e.g. 0.995")
-    p.add_argument("--save-ref", default=None, help="save the reference log-probs (fp16) to this file")
+    p.add_argument("--save-ref", default=None, help="save the reference log-probs (f32) to this file")
     p.add_argument("--compare-ref", default=None, help="use reference log-probs saved by --save-ref")
     p.add_argument("--out", default=None, help="directory for JSON, markdown and PNG results")
 
