@@ -11,7 +11,8 @@ Examples:
   kl-gate --model ./bf16 --ref impl=ours --test model=./nvfp4
   kl-gate --model default --sweep-tau 0,1,4,16,64,256     (ref: all f32)
 Text is split into chunks of n_ctx tokens, each run from an empty state, and only the second half
-of each chunk is scored; --ctx sweeps n_ctx to show drift with context length.
+of each chunk is scored; --ctx sweeps n_ctx to show drift with context length. Scored positions are
+decoded token by token by default (see LogprobSource.logprobs).
 """
 from __future__ import annotations
 
@@ -71,11 +72,11 @@ def parse_config(spec: str, base: RunConfig) -> RunConfig:
 class LogprobSource:
     """Scored-position log-probabilities of one configuration."""
 
-    def __init__(self, cfg: RunConfig, batch: int = 8):
+    def __init__(self, cfg: RunConfig, batch: int = 32, scoring: str = "decode"):
         from linrnn_serve.models.loading import load_model, resolve_device, resolve_dtype
         from linrnn_serve.presets import resolve_model
 
-        self.cfg, self.batch = cfg, batch
+        self.cfg, self.batch, self.scoring = cfg, batch, scoring
         self.resolved = resolve_model(cfg.model)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
@@ -110,25 +111,37 @@ class LogprobSource:
 
     @torch.inference_mode()
     def logprobs(self, chunk_list: list[list[int]], n_ctx: int):
-        """Yield (log-probs [n_scored, V] f32 on CPU, targets [n_scored]) per chunk."""
+        """Yield (log-probs [n_scored, V] f32 on CPU, targets [n_scored]) per chunk.
+
+        scoring "decode" (default) runs a chunk as serving does: the unscored first half is one prefill,
+        then each scored position is a decode step, so it reads recurrent state that was stored in its
+        partition's dtype after the previous token (this is where a bf16 state shows). "prefill" runs the
+        whole chunk as one prefill (llama-perplexity's way; the state stays f32 inside the kernel).
+        """
         first, last = scored_positions(n_ctx)
         for i in range(0, len(chunk_list), self.batch):
             group = chunk_list[i: i + self.batch]
             if self.cfg.impl == "transformers":
                 ids = torch.tensor(group, device=self.device)
-                out = self.model(ids).logits[:, first:last].float()
-                lps = list(torch.log_softmax(out, -1).cpu())
+                lps = list(torch.log_softmax(self.model(ids).logits[:, first:last].float(), -1).cpu())
             else:
-                from linrnn_serve.runner.session import Session
-
-                s = Session(self.model, len(group), n_ctx, bf16_heads=self.bf16_heads)
-                sids = [s.new_seq() for _ in group]
-                rows = [j * n_ctx + p for j in range(len(group)) for p in range(first, last)]
-                out = s.forward(sids, group, rows=rows).float()
-                lps = list(torch.log_softmax(out, -1).cpu().view(len(group), last - first, -1))
-                del s
+                lps = self._ours(group, n_ctx, first, last)
             for c, lp in zip(group, lps):
                 yield lp, torch.tensor(c[first + 1: last + 1])
+
+    def _ours(self, group, n_ctx, first, last):
+        from linrnn_serve.runner.session import Session
+
+        s = Session(self.model, len(group), n_ctx, bf16_heads=self.bf16_heads)
+        sids = [s.new_seq() for _ in group]
+        if self.scoring == "prefill":
+            rows = [j * n_ctx + p for j in range(len(group)) for p in range(first, last)]
+            out = s.forward(sids, group, rows=rows).float()
+            return list(torch.log_softmax(out, -1).cpu().view(len(group), last - first, -1))
+        steps = [torch.log_softmax(s.forward(sids, [c[: first + 1] for c in group]).float(), -1).cpu()]
+        for p in range(first + 1, last):
+            steps.append(torch.log_softmax(s.forward(sids, [[c[p]] for c in group]).float(), -1).cpu())
+        return list(torch.stack(steps, 1))
 
     def close(self):
         del self.model
@@ -238,7 +251,7 @@ def plot(path: str, series: dict[str, dict[int, KLResult]], title: str) -> None:
         ax.set_xlabel("n_ctx")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
-    a.set_yscale("log")
+    a.set_yscale("symlog", linthresh=1e-7)  # KLD may be exactly 0 (bit-identical configs)
     a.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
@@ -256,7 +269,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, help="UTF-8 text file (default: the model's held-out text)")
     p.add_argument("--ctx", default="256,1024,2048,4096", help="comma list of n_ctx values")
     p.add_argument("--max-scored", type=int, default=32768, help="scored positions per n_ctx at most")
-    p.add_argument("--batch", type=int, default=8, help="chunks run together")
+    p.add_argument("--batch", type=int, default=32, help="chunks run together")
+    p.add_argument("--scoring", choices=["decode", "prefill"], default="decode",
+                   help="decode: prefill the unscored half, decode the scored half token by token (as served: "
+                        "the recurrent state round-trips through its partition dtype); prefill: one prefill per chunk")
     p.add_argument("--max-mean-kld", type=float, default=1e-3)
     p.add_argument("--min-same-top-p", type=float, default=0.995, help="fraction, e.g. 0.995")
     p.add_argument("--save-ref", default=None, help="save the reference log-probs (f32) to this file")
@@ -276,7 +292,7 @@ def run(args) -> int:
 
     if args.sweep_tau:
         taus = [float(t) for t in args.sweep_tau.split(",")]
-        src = LogprobSource(dataclasses.replace(ref_cfg), args.batch)
+        src = LogprobSource(dataclasses.replace(ref_cfg), args.batch, args.scoring)
         text = args.text or default_text(src.resolved)
         if not text:
             raise SystemExit("no --text given and the model ships no held-out text")
@@ -310,9 +326,9 @@ def run(args) -> int:
             report["ref"] = saved["label"]
             resolved_from = None
         else:
-            ref = LogprobSource(ref_cfg, args.batch)
+            ref = LogprobSource(ref_cfg, args.batch, args.scoring)
             resolved_from = ref.resolved
-        test = LogprobSource(parse_config(args.test, base), args.batch) if args.test else None
+        test = LogprobSource(parse_config(args.test, base), args.batch, args.scoring) if args.test else None
         resolved = resolved_from or test.resolved
         text = args.text or default_text(resolved)
         if not text:
