@@ -8,7 +8,9 @@ them are decoding, --warmup steps run untimed and --steps steps are timed (wall 
 LLMEngine.step(), host overhead included: the number a user sees). Greedy, ignore_eos.
 
 Floor (BENCH.md): bytes(B, L) = non-expert weights + experts touched (E * (1 - (1 - k/E)^B) per MoE
-layer) + recurrent/conv state read + write + KV read, over the copy bandwidth measured in this run.
+layer) + recurrent/conv state read + write + KV read, over the copy bandwidth measured in this run
+(linrnn_bench.floor, shared with `linrnn-serve bench batched`, the full llama-batched-bench-style
+benchmark with tables, plots and several configurations per run).
 --json PATH also writes the rows as JSON (with GPU name, versions and the command line).
 """
 from __future__ import annotations
@@ -22,40 +24,7 @@ import time
 
 import torch
 
-
-def copy_bandwidth(device, nbytes: int = 1 << 30, iters: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s, read + write counted."""
-    a = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        b.copy_(a)
-    torch.cuda.synchronize(device)
-    dt = (time.perf_counter() - t0) / iters
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * nbytes / dt
-
-
-def step_bytes(eng, batch: int, context: int) -> float:
-    """BENCH.md's bytes per decode step for `batch` sequences at `context` tokens."""
-    cfg, model = eng.model_config, eng.model
-    expert_bytes, other_bytes, n_moe = 0, 0, 0
-    for name, p in model.named_parameters():
-        nb = p.numel() * p.element_size()
-        if ".experts." in name:
-            expert_bytes += nb
-        else:
-            other_bytes += nb
-    n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
-    E, k = cfg.num_experts, cfg.num_experts_per_tok
-    touched = E * (1 - (1 - k / E) ** batch)
-    experts = expert_bytes / max(E * n_moe, 1) * touched * n_moe
-    state = 2 * batch * eng.caches.state.bytes_per_seq()
-    kv = batch * context * eng.budget.kv_bytes_per_block / eng.budget.block_size
-    return other_bytes + experts + state + kv
+from linrnn_bench.floor import ModelBytes, copy_bandwidth
 
 
 def main(argv=None) -> int:
@@ -87,7 +56,8 @@ def main(argv=None) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         ssm_bf16_tau=args.ssm_bf16_tau))
     cuda = eng.device.type == "cuda"
-    bw = copy_bandwidth(eng.device) if cuda else float("nan")
+    bw = copy_bandwidth(eng.device)
+    model_bytes = ModelBytes.from_engine(eng)
     rng = random.Random(0)
     V = eng.model_config.vocab_size
     rows = []
@@ -113,7 +83,7 @@ def main(argv=None) -> int:
             eng.abort(f"b{B}-{i}")
         eng.check_integrity()
         ctx = args.prompt_len + args.warmup + args.steps // 2
-        floor = step_bytes(eng, B, ctx) / bw if cuda else float("nan")
+        floor = model_bytes.floor_ms(B, ctx, bw) / 1e3
         rows.append({"batch": B, "ms_per_step": dt * 1e3, "tokens_per_s": B / dt, "prefill_s": t_prefill,
                      "floor_ms": floor * 1e3, "pct_of_floor": 100 * floor / dt, "context": ctx})
         print(f"B={B:4d}  {dt * 1e3:8.2f} ms/step  {B / dt:9.1f} tok/s  floor {floor * 1e3:6.2f} ms "
