@@ -8,6 +8,10 @@ from collections import defaultdict
 import torch
 from safetensors.torch import load_file, save_file
 
+# Device for the kernel tests' tensors: compiled Triton kernels on a CUDA machine, the Triton interpreter
+# (TRITON_INTERPRET=1, set by conftest.py when there is no CUDA) on CPU tensors otherwise.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 TINY = dict(
     vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,

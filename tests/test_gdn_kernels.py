@@ -1,10 +1,11 @@
 """Gated-DeltaNet Triton kernels (decode, chunked varlen prefill, causal conv1d) against the naive
 reference, with hybrid f32/bf16 state partitions (issue #4).
 
-CPU: the kernels run under TRITON_INTERPRET=1 on reduced shapes that keep the structure (grouped value
-heads, both partitions, several Dv tiles, partial chunks). GPU (-m gpu): Qwen3.5-35B-A3B head shapes
-(Hk=16, Hv=32, Dk=Dv=128). Outputs, scratch and unused pool slots are NaN-poisoned: an element the
-kernel should have written but did not, or a slot it should not have touched, fails the test.
+CPU: the kernels run under TRITON_INTERPRET=1 (compiled on a CUDA machine) on reduced shapes that keep
+the structure (grouped value heads, both partitions, several Dv tiles, partial chunks). GPU (-m gpu):
+Qwen3.5-35B-A3B head shapes (Hk=16, Hv=32, Dk=Dv=128). Outputs, scratch and unused pool slots are
+NaN-poisoned: an element the kernel should have written but did not, or a slot it should not have
+touched, fails the test.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import math
 import pytest
 import torch
 
+from helpers import KERNEL_DEVICE
 from linrnn_kernels.gdn import conv as conv_k
 from linrnn_kernels.gdn import decode as decode_k
 from linrnn_kernels.gdn import naive
@@ -159,7 +161,7 @@ def run_prefill(shape, lens, kind, dtype, device, precision=None, config=None, t
     check_pools((f32, bf), (rf, rb), idx.tolist(), tol_s, max(tol_s, TOL_BF16))
 
 
-# ---- CPU (interpreter) ------------------------------------------------------------------------------
+# ---- reduced shapes: interpreter on CPU, compiled kernels on a CUDA machine (KERNEL_DEVICE) ---------------
 
 
 @pytest.mark.parametrize("B", [1, 3, 64])
@@ -167,12 +169,12 @@ def run_prefill(shape, lens, kind, dtype, device, precision=None, config=None, t
 def test_decode_matches_reference(poison_empty, B, kind):
     if B == 64 and kind != "0.5":
         pytest.skip("one hybrid case is enough at B=64 on the interpreter")
-    run_decode(SMALL, B, kind, torch.float32, "cpu")
+    run_decode(SMALL, B, kind, torch.float32, KERNEL_DEVICE)
 
 
 def test_decode_bf16_activations_and_wide_tiles(poison_empty):
-    run_decode(SMALL, 3, "0.5", torch.bfloat16, "cpu")
-    run_decode(SMALL, 3, "0.5", torch.float32, "cpu", config=(32, 4))  # one Dv tile of 32
+    run_decode(SMALL, 3, "0.5", torch.bfloat16, KERNEL_DEVICE)
+    run_decode(SMALL, 3, "0.5", torch.float32, KERNEL_DEVICE, config=(32, 4))  # one Dv tile of 32
 
 
 def test_decode_rejects_bad_inputs():
@@ -193,19 +195,29 @@ def test_decode_rejects_bad_inputs():
 @pytest.mark.parametrize("kind", ["0.5", "f32", "bf16"])
 def test_prefill_matches_reference_varlen(poison_empty, kind):
     """Lengths 1, 63, 64, 65 and several full chunks in one varlen batch, plus an empty sequence."""
-    run_prefill(SMALL, [1, 63, 0, 64, 65, 130], kind, torch.float32, "cpu")
+    run_prefill(SMALL, [1, 63, 0, 64, 65, 130], kind, torch.float32, KERNEL_DEVICE)
 
 
 def test_prefill_dv_tiling_and_single_sequence(poison_empty):
-    run_prefill(SMALL, [130], "0.5", torch.float32, "cpu", config={"state_bv": 16, "output_bv": 16})
+    run_prefill(SMALL, [130], "0.5", torch.float32, KERNEL_DEVICE, config={"state_bv": 16, "output_bv": 16})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="output tiles < 64 are refused on CUDA (prefill_config)")
+def test_prefill_output_tiles_narrower_than_chunk(poison_empty):
+    """bf16 matmul mode with output Dv tiles narrower than a chunk and than Dv (BV 32 < BT 64, Dv 64) and state
+    tiles of another width: the output tiling of the H200 failure with {"output_bv": 32} at FULL shapes, here
+    at reduced head counts / Dk (interpreter on CPU, compiled on a CUDA machine)."""
+    shape = dict(Hk=2, Hv=4, Dk=16, Dv=64)
+    run_prefill(shape, [1, 130, 64], "0.5", torch.bfloat16, KERNEL_DEVICE, config={"state_bv": 16, "output_bv": 32})
 
 
 @pytest.mark.parametrize("precision", [None, "tf32"])
 def test_prefill_bf16_activations(poison_empty, precision):
-    """bf16 activations: default 'bf16' matmul mode (bf16 operands and scratch), and f32 scratch ('tf32',
-    exact f32 under the interpreter)."""
-    run_prefill(SMALL, [5, 64, 90], "0.5", torch.bfloat16, "cpu", precision=precision,
-                tol_o=None if precision is None else TOL_BF16, tol_s=None if precision is None else 1e-5)
+    """bf16 activations: default 'bf16' matmul mode (bf16 operands and scratch), and f32 scratch ('tf32':
+    exact f32 under the interpreter, so the state is held to 1e-5 there; TF32 tensor cores on a GPU)."""
+    exact_tf32 = precision == "tf32" and not CUDA
+    run_prefill(SMALL, [5, 64, 90], "0.5", torch.bfloat16, KERNEL_DEVICE, precision=precision,
+                tol_o=None if precision is None else TOL_BF16, tol_s=1e-5 if exact_tf32 else None)
 
 
 def test_prefill_rejects_bad_inputs():
@@ -251,12 +263,12 @@ def run_conv(lens, dtype, device, C=200, K=4, decode=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_varlen_matches_reference(poison_empty, dtype):
     """Sequences shorter than K-1 (state rows shift through), long ones spanning token tiles, an empty one."""
-    run_conv([1, 2, 5, 70, 0, 3], dtype, "cpu")
+    run_conv([1, 2, 5, 70, 0, 3], dtype, KERNEL_DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_decode_matches_reference(poison_empty, dtype):
-    run_conv([1, 1, 1], dtype, "cpu", decode=True)
+    run_conv([1, 1, 1], dtype, KERNEL_DEVICE, decode=True)
 
 
 # ---- GPU: Qwen3.5-35B-A3B shapes ---------------------------------------------------------------------
@@ -292,10 +304,27 @@ def test_gpu_prefill_full_shapes_bf16(poison_empty, precision, lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [{"state_bv": 32}, {"state_bv": 64}, {"output_bv": 32}, {"output_bv": 128},
+@pytest.mark.parametrize("config", [{"state_bv": 32}, {"state_bv": 64}, {"output_bv": 128},
                                     {"wy_warps": 8, "output_warps": 8}, {"state_stages": 3}])
 def test_gpu_prefill_configs(poison_empty, config):
     run_prefill(FULL, [1, 130, 64], "0.5", torch.bfloat16, "cuda", config=config)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_refuses_narrow_output_tiles():
+    with pytest.raises(ValueError, match="narrower than 64"):
+        prefill_k.prefill_config(1, 32, 128, torch.device("cuda"), True, {"output_bv": 32})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "ieee"])
+@pytest.mark.parametrize("output_bv", [64])
+def test_gpu_prefill_output_tile_width(poison_empty, precision, output_bv):
+    """Output tiles of 32 vs 64 in each matmul mode ('ieee' with f32 activations: FMA, no tensor cores), to
+    locate the H200 failure of {"output_bv": 32} (rel_fro 2.2, bf16 mode; the interpreter is exact at these
+    shapes and tiles): tensor-core modes only would point at the compiled chained dot, all modes at the kernel."""
+    dtype = torch.float32 if precision == "ieee" else torch.bfloat16
+    run_prefill(FULL, [1, 130, 64], "0.5", dtype, "cuda", precision=precision, config={"output_bv": output_bv})
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from helpers import make_hf_checkpoint
+from helpers import KERNEL_DEVICE, make_hf_checkpoint
 from linrnn_kernels.gdn import conv as conv_k
 from linrnn_kernels.gdn import decode as decode_k
 from linrnn_kernels.gdn import prefill as prefill_k
@@ -123,6 +123,8 @@ def head_map_for(model, f32_fraction):
     return [head_map(model.cfg.linear_num_value_heads, kind) for _ in model.cfg.gdn_layers]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model cannot launch compiled kernels; "
+                    "test_gpu_model_gdn_layers_run_triton_kernels runs this check on CUDA")
 @pytest.mark.parametrize("f32_fraction,tol", [(1.0, 1e-4), (0.5, 1e-2)])
 def test_model_gdn_layers_run_triton_kernels(tiny_f32, monkeypatch, f32_fraction, tol):
     """The layer's strided q/k/v/a/b views go through the Triton kernels (interpreter) and match the
@@ -220,7 +222,7 @@ def _prefill_then_decode(shape, lens, n_prefill, kind, dtype, device):
 
 @pytest.mark.parametrize("kind", ["f32", "0.5"])
 def test_prefill_then_decode_equals_token_by_token(kind):
-    oa, ob, pa, pb = _prefill_then_decode(SMALL, [70, 5, 1], [66, 2, 1], kind, torch.float32, "cpu")
+    oa, ob, pa, pb = _prefill_then_decode(SMALL, [70, 5, 1], [66, 2, 1], kind, torch.float32, KERNEL_DEVICE)
     _check_paths(oa, ob, pa, pb, kind, exact_dtype=True)
 
 
@@ -286,7 +288,7 @@ def _padded_rows(shape, device, dtype):
 
 
 def test_padded_rows_leave_live_slots_unchanged():
-    _padded_rows(SMALL, "cpu", torch.float32)
+    _padded_rows(SMALL, KERNEL_DEVICE, torch.float32)
 
 
 @pytest.mark.gpu

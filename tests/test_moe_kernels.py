@@ -15,13 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
+from helpers import KERNEL_DEVICE
 from linrnn_kernels.moe import align, experts, naive, router
 from linrnn_kernels.moe import grouped_gemm as gg
 from linrnn_kernels.quant import WeightTensor, nvfp4
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA else "cpu"
+DEV = KERNEL_DEVICE
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

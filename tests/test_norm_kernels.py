@@ -3,10 +3,10 @@ TRITON_INTERPRET=1, the gpu-marked test at the model's real widths."""
 import pytest
 import torch
 
-from helpers import rel_err, rel_fro
+from helpers import KERNEL_DEVICE, rel_err, rel_fro
 from linrnn_kernels.norm import fused, naive
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = KERNEL_DEVICE
 
 
 def _tol(dtype):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import make_hf_checkpoint, rel_err, rewrite_as_release_layout, run_prompt
+from helpers import make_hf_checkpoint, rel_err, rel_fro, rewrite_as_release_layout, run_prompt
 from linrnn_kernels.quant import nvfp4
 from linrnn_serve.checkpoint import CheckpointError
 from linrnn_serve.checkpoint.layout import canonical_name
@@ -184,12 +184,19 @@ def test_quantized_checkpoint_matches_dequantized_reference(request, tmp_path, f
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
 def test_quantized_checkpoint_on_gpu(qwen35_release, tmp_path, fmt):
-    """Same on CUDA in bf16, so the NVFP4 expert / linear kernels run (reference: f32 CPU dequantized)."""
+    """Same on CUDA in bf16, so the NVFP4 expert / linear kernels run (reference: f32 CPU dequantized).
+    bf16 arithmetic alone moves these end-to-end logits (4 layers, bf16 activations and residual stream) by
+    0.6-1.4% relative Frobenius depending on the random weights (1.4% for this fixture), so the bound is
+    relative to that floor, measured here on the same checkpoint in bf16 through the reference ops on CPU:
+    the kernels round in other places (f32 accumulators, fused ops), but may not add more error than bf16
+    rounding itself does (factor 2), and a kernel bug gives O(1) errors."""
     out = tmp_path / "q"
     quantize_checkpoint(qwen35_release, str(out), fmt, "all-linear", progress=False)
     ref = run_prompt(_load(dequantized_reference(out, tmp_path / "ref")), IDS)
+    bf16_floor = rel_fro(run_prompt(_load(out, torch.bfloat16), IDS), ref)
     got = run_prompt(_load(out, torch.bfloat16, "cuda"), IDS)
-    assert rel_err(got.float().cpu(), ref) <= 3e-2
+    err = rel_fro(got.float().cpu(), ref)
+    assert err <= max(1e-2, 2 * bf16_floor), f"rel_fro {err:.4f} vs bf16 floor {bf16_floor:.4f} (CPU reference ops)"
 
 
 # ---- hand-written checkpoints mirroring real releases --------------------------------------------------------

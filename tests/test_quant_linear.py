@@ -11,13 +11,14 @@ import os
 import pytest
 import torch
 
+from helpers import KERNEL_DEVICE
 from linrnn_kernels.moe import grouped_gemm as gg
 from linrnn_kernels.quant import WeightTensor, linear, nvfp4
 from linrnn_kernels.quant.linear import linear_naive, linear_triton
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA else "cpu"
+DEV = KERNEL_DEVICE
 
 
 def rel_err(y, ref) -> float:
