@@ -103,6 +103,19 @@ class ModelBytes:
         return asdict(self)
 
 
+def warm_up_gpu(device, seconds: float = 2.0) -> None:
+    """Keep the GPU busy for a moment so clocks leave their idle state before anything is timed."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize(device)
+
+
 def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, iters: int = 10) -> float:
     """Copy bandwidth in bytes/s, read + write counted: median over `iters` copies of one large buffer
     (1 GiB on a GPU, far beyond L2; 64 MiB on a CPU). CUDA events on a GPU, wall clock on a CPU."""

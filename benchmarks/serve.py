@@ -63,7 +63,9 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, pro
                     res.output_tokens = msg["usage"].get("completion_tokens", res.output_tokens)
                     res.prompt_tokens = msg["usage"].get("prompt_tokens", res.prompt_tokens)
                 choices = msg.get("choices") or []
-                if not choices or not choices[0].get("text"):
+                # every choice chunk is a token event, text or not (as vLLM's bench serve): a token can
+                # render as "" (an incomplete UTF-8 sequence, an id outside a small tokenizer's vocab)
+                if not choices or choices[0].get("text") is None:
                     continue
                 now = time.perf_counter()
                 if chunks == 0:

@@ -198,6 +198,7 @@ def test_prefill_matches_reference_varlen(poison_empty, kind):
     run_prefill(SMALL, [1, 63, 0, 64, 65, 130], kind, torch.float32, KERNEL_DEVICE)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="output tiles < 64 are refused on CUDA (prefill_config)")
 def test_prefill_dv_tiling_and_single_sequence(poison_empty):
     run_prefill(SMALL, [130], "0.5", torch.float32, KERNEL_DEVICE, config={"state_bv": 16, "output_bv": 16})
 
