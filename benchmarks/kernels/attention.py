@@ -16,15 +16,15 @@ Writes <out>.md and <out>.json and prints the tables.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 
 import torch
+
+from linrnn_bench.kernels.common import copy_bandwidth_gbs, env_info, time_graph
 
 HQ, HKV, D, BLOCK_SIZE = 16, 2, 256, 16
 DTYPE = torch.bfloat16
@@ -48,41 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------- timing helpers
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device copy bandwidth in GB/s (read + write counted), median of graph-replayed copies."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
-    dst = torch.empty_like(src)
-    ms = time_graph([lambda: dst.copy_(src)], iters=20)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def time_graph(calls, iters: int = 20, warmup: int = 3) -> float:
-    """Median ms per call: capture all `calls` once into a CUDA graph, replay, divide by len(calls)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return statistics.median(times)
-
 
 def time_eager(fn, iters: int = 10) -> float:
     """Median ms of fn() (long kernels: launch overhead is negligible)."""
@@ -277,17 +242,6 @@ def md_table(rows, cols) -> str:
     return "\n".join(lines)
 
 
-def environment() -> dict:
-    import triton
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
-    return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None, torch=torch.__version__,
-                triton=triton.__version__, commit=commit, date=datetime.datetime.now().isoformat(timespec="seconds"),
-                command=" ".join([sys.executable, "-m", "linrnn_bench.kernels.attention"] + sys.argv[1:]))
-
-
 def run(args) -> int:
     if args.resources:
         os.environ.pop("TRITON_INTERPRET", None)  # before the kernels are imported (jit reads it then)
@@ -303,8 +257,8 @@ def run(args) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     width = max(contexts) // BLOCK_SIZE  # one static block-table width, as in CUDA-graph decode
-    env = environment()
-    bw = copy_bandwidth()
+    env = env_info()
+    bw = copy_bandwidth_gbs(DEVICE)
     print(f"{env['gpu']}: copy bandwidth {bw:.0f} GB/s")
 
     decode = []

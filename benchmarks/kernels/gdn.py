@@ -30,17 +30,16 @@ Writes <out>/gdn_kernels.{md,json} (gdn_decode / gdn_prefill when one part is sk
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import types
 
 import torch
+
+from linrnn_bench.kernels.common import copy_bandwidth_gbs, env_info, time_graph
 
 HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4
 C = 2 * HK * DK + HV * DV
@@ -71,47 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------- timing helpers
 
 
-def time_graph(calls, iters: int = 20, warmup: int = 3) -> float:
-    """Median ms per call: capture all `calls` once into a CUDA graph, replay, divide by len(calls)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return statistics.median(times)
-
-
 def time_eager(fn) -> float:
     """Median ms of fn() after warm-up (triton.testing.do_bench, L2 flushed before each call)."""
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in GB/s (read + write counted), after bringing the clocks up: a GPU idles
-    at a few hundred MHz and a short measurement from idle read 2.7 instead of 4.2 TB/s on an H200."""
-    from linrnn_bench.floor import copy_bandwidth as measure, warm_up_gpu
-
-    warm_up_gpu(DEVICE)
-    return measure(DEVICE) / 1e9
 
 
 def rel(out, ref) -> float:
@@ -495,25 +458,6 @@ def resources() -> None:
 # ---------------------------------------------------------------------------- reporting
 
 
-def env_info() -> dict:
-    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-            "python": platform.python_version(), "command": " ".join(sys.argv)}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        info["commit"] = "unknown"
-    return info
-
-
 def _f(x, fmt="{:.1f}"):
     return fmt.format(x) if isinstance(x, (int, float)) and math.isfinite(x) else "-"
 
@@ -625,7 +569,7 @@ def run(args) -> int:
     shapes = [x for x in args.prefill.split(",") if x]
     # check what is about to be timed (the f32 "ieee" prefill check compiles slowly: only when timing prefill)
     res["check_errors"] = (check_decode() if batches else []) + (check_prefill(precisions) if shapes else [])
-    res["copy_gbs"] = copy_bandwidth()
+    res["copy_gbs"] = copy_bandwidth_gbs(DEVICE)
     print(f"copy bandwidth {res['copy_gbs']:.0f} GB/s", flush=True)
     if not res["check_errors"]:
         for B in batches:

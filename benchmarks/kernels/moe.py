@@ -25,20 +25,19 @@ experts touched (from the actual routing) x bytes per expert incl. scales, + log
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import torch
+
 import torch.nn.functional as F
 
 from linrnn_kernels.moe import experts, naive, router
 from linrnn_kernels.moe import grouped_gemm as gg
 from linrnn_kernels.moe.align import moe_align_block_size
+from linrnn_bench.kernels.common import copy_bandwidth_gbs, env_info
 from linrnn_kernels.quant import WeightTensor, nvfp4
 
 QWEN35 = dict(E=256, k=8, H=2048, I=512)
@@ -192,36 +191,7 @@ def graphed(fn, cuda: bool):
         return fn, f"eager ({type(e).__name__})"
 
 
-def copy_bandwidth(device, cuda: bool, warmup: int, rep: int) -> float:
-    """Device-to-device copy bandwidth in GB/s, read + write counted."""
-    n = (1 << 30) if cuda else (1 << 22)
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    us = bench([lambda: dst.copy_(src)], warmup, rep, cuda)
-    return 2 * n / us / 1e3
-
-
 # ---------------------------------------------------------------------------------- reporting
-
-def env_info() -> dict:
-    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-            "python": platform.python_version(), "command": " ".join(sys.argv)}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["nvfp4_gemm"] = gg.describe_nvfp4_gemm()
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        info["commit"] = "unknown"
-    return info
-
 
 def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict) -> str:
     lines = [f"# MoE layer benchmark: E={rows[0]['E']}, top-{rows[0]['k']}, H={rows[0]['H']}, I={rows[0]['I']}",
@@ -344,10 +314,10 @@ def run(args) -> int:
     elif torch.cuda.get_device_capability()[0] >= 10 and "nvfp4/w4a4" not in variants:
         variants.insert(1, "nvfp4/w4a4")  # FP4 tensor cores: time the (untested) W4A4 path too
     fmts = {VARIANTS[v][0] for v in variants}
-    info = env_info()
+    info = env_info(**({"nvfp4_gemm": gg.describe_nvfp4_gemm()} if cuda else {}))
     print(info.get("nvfp4_gemm", "interpreter run"), flush=True)
     sets = [make_set(shape, fmts, device, seed) for seed in range(args.sets)]
-    copy_gbs = copy_bandwidth(device, cuda, args.warmup, args.rep)
+    copy_gbs = copy_bandwidth_gbs(device)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
 
     rows = []
