@@ -21,6 +21,8 @@ import json
 import os
 from importlib import resources
 
+from linrnn_serve.byte_level import bytes_to_unicode
+
 # Qwen3 / Qwen3.5 added tokens, in id order (the package's Qwen3.5 list; Qwen3 uses the first 26).
 QWEN_SPECIALS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -52,22 +54,17 @@ CHATML_TEMPLATE = (
 BYTES_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used by byte-level BPE."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def _assemble(vocab: dict[str, int], merges: list[tuple[str, str]], pattern: str | None,
               specials: dict[str, int]):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
 
     vocab = dict(vocab)
     vocab.update(specials)  # explicit ids (may be sparse: specials at the real Qwen ids)

@@ -25,6 +25,7 @@ import os
 from datetime import datetime
 from typing import Any
 
+from linrnn_serve.byte_level import bytes_to_unicode
 from linrnn_serve.sampling_params import SamplingParams
 
 
@@ -175,7 +176,7 @@ class Tokenizer:
     def token_bytes(self) -> list[bytes | None]:
         """Per id: the token's bytes (byte-level vocab) or None for added tokens / holes. Built once."""
         if self._token_bytes is None:
-            dec = {c: b for b, c in _bytes_to_unicode().items()}
+            dec = {c: b for b, c in bytes_to_unicode().items()}
             table: list[bytes | None] = [None] * (self.max_id + 1)
             for s, i in self.tok.get_vocab(with_added_tokens=False).items():
                 if i in self.added:
@@ -241,19 +242,6 @@ def _is_byte_level(tok) -> bool:
     except Exception:
         return False
     return dec.get("type") == "ByteLevel"
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used by byte-level BPE."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def _clean_up(text: str) -> str:
