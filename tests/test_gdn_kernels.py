@@ -13,15 +13,15 @@ import math
 
 import pytest
 import torch
-
 from helpers import KERNEL_DEVICE
+from linrnn_bench.kernels.gdn import DECODE_SWEEP
 from linrnn_kernels.gdn import conv as conv_k
 from linrnn_kernels.gdn import decode as decode_k
 from linrnn_kernels.gdn import naive
 from linrnn_kernels.gdn import prefill as prefill_k
 
 CUDA = torch.cuda.is_available()
-SMALL = dict(Hk=2, Hv=4, Dk=16, Dv=32)  # group 2, two Dv tiles of 16 in decode
+SMALL = dict(Hk=2, Hv=4, Dk=16, Dv=32)  # group 2, two Dv tiles of 16 in decode at small B
 FULL = dict(Hk=16, Hv=32, Dk=128, Dv=128)  # Qwen3.5-35B-A3B
 TOL_F32 = 1e-5  # max-abs relative, f32 activations and f32 heads
 TOL_BF16 = 1e-2  # relative Frobenius, bf16 state / bf16 activations
@@ -177,6 +177,42 @@ def test_decode_bf16_activations_and_wide_tiles(poison_empty):
     run_decode(SMALL, 3, "0.5", torch.float32, KERNEL_DEVICE, config=(32, 4))  # one Dv tile of 32
 
 
+def decode_rows_are_independent(shape, device):
+    """With one launch config, each row's output and state bytes are the same whether it runs alone,
+    in a small batch or in a large one: rows never interact (decode_config may pick another tile
+    shape for another B, which reorders the Dk reduction: the config is pinned here)."""
+    Hk, Hv, Dk, Dv = shape["Hk"], shape["Hv"], shape["Dk"], shape["Dv"]
+    B = 64
+    idx = torch.arange(1, B + 1, dtype=torch.int32, device=device)
+    q, k, v, a, b, A_log, dt_bias = make_inputs(B, Hk, Hv, Dk, Dv, torch.bfloat16, device)
+    f32, bf, isb, loc = make_pools(Hv, Dk, Dv, B + 1, head_map(Hv, "0.5"), idx.tolist(), device)
+    f0, b0 = f32.clone(), bf.clone()
+    cfg = decode_k.decode_config(B, Hv, Dk, Dv, torch.device(device))
+    o_all = decode_k.gdn_decode(q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx, config=cfg)
+    for n in (1, 3, 17):
+        fs, bs = f0.clone(), b0.clone()
+        o = decode_k.gdn_decode(q[:n], k[:n], v[:n], a[:n], b[:n], A_log, dt_bias, fs, bs, isb, loc, idx[:n],
+                                config=cfg)
+        assert torch.equal(o.view(torch.int16), o_all[:n].view(torch.int16)), f"B={n} differs from B={B}"
+        assert torch.equal(fs[1:n + 1].view(torch.int32), f32[1:n + 1].view(torch.int32))
+        assert torch.equal(bs[1:n + 1].view(torch.int16), bf[1:n + 1].view(torch.int16))
+
+
+def test_decode_rows_are_independent():
+    decode_rows_are_independent(SMALL, KERNEL_DEVICE)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_rows_are_independent():
+    decode_rows_are_independent(FULL, "cuda")
+
+
+@pytest.mark.parametrize("config", [(16, 2, "evict_first", "evict_first"), (32, 4, ".cg", ".cs")])
+def test_decode_cache_policies(poison_empty, config):
+    """Cache / eviction hints change nothing but speed."""
+    run_decode(SMALL, 3, "0.5", torch.float32, KERNEL_DEVICE, config=config)
+
+
 def test_decode_rejects_bad_inputs():
     q, k, v, a, b, A_log, dt_bias = make_inputs(2, 2, 4, 16, 16, torch.float32, "cpu")
     f32, bf, isb, loc = make_pools(4, 16, 16, 4, [False, True, False, True], [1, 2], "cpu")
@@ -284,9 +320,9 @@ def test_gpu_decode_full_shapes(poison_empty, B, kind, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [(16, 2), (32, 4), (64, 4), (64, 8)])
+@pytest.mark.parametrize("config", DECODE_SWEEP)
 def test_gpu_decode_tile_configs(poison_empty, config):
-    """Every (BV, num_warps) the benchmark sweeps is correct."""
+    """Every DecodeConfig the benchmark sweeps is correct."""
     run_decode(FULL, 8, "0.5", torch.float32, "cuda", config=config)
 
 

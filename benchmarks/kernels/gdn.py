@@ -46,7 +46,10 @@ C = 2 * HK * DK + HV * DV
 ACT = torch.bfloat16
 DEVICE = "cuda"
 L2_ROTATE_BYTES = 256 << 20
-DECODE_SWEEP = [(16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]
+# DecodeConfig tuples: (bv, num_warps[, load hint[, store hint[, maxnreg]]])
+EF = "evict_first"
+DECODE_SWEEP = [(16, 2), (32, 4), (64, 4), (16, 2, EF, EF), (32, 2, EF, EF), (32, 4, EF, EF), (64, 4, EF, EF),
+                (64, 4, EF, ".cs"), (64, 4, ".cg", EF), (64, 4, EF, EF, 112), (64, 2, EF, EF), (128, 4, EF, EF)]
 PREFILL_SWEEP = [{}, {"state_bv": 32}, {"state_bv": 64}, {"state_warps": 8}, {"state_stages": 3},
                  {"state_stages": 1}, {"wy_warps": 8}, {"output_bv": 32}, {"output_bv": 128, "output_warps": 8},
                  {"output_warps": 8}]
@@ -582,13 +585,16 @@ def run(args) -> int:
                 print(f"  fla: {row['fla']}", flush=True)
             res["decode"].append(row)
             if args.sweep:
-                for cfg in DECODE_SWEEP:
-                    if DV % cfg[0]:
-                        continue
-                    s = bench_decode(B, 1.0, args.iters, config=cfg)
-                    res["sweep"].append(dict(kernel="decode", case=f"B={B} f32", config=str(cfg),
-                                             time=f"{s['us']:.1f} us" if "us" in s else "-",
-                                             status=s.get("status", "")))
+                for f, name in ((1.0, "f32"), (0.0, "bf16")):
+                    for cfg in DECODE_SWEEP:
+                        if DV % cfg[0]:
+                            continue
+                        s = bench_decode(B, f, args.iters, config=cfg)
+                        pct = f" ({100 * s['gbs'] / res['copy_gbs']:.0f} % copy)" if "gbs" in s else ""
+                        res["sweep"].append(dict(kernel="decode", case=f"B={B} {name}", config=str(cfg),
+                                                 time=f"{s['us']:.1f} us{pct}" if "us" in s else "-",
+                                                 status=s.get("status", "")))
+                        print(f"  sweep B={B} {name} {cfg}: {res['sweep'][-1]['time']}", flush=True)
         for shape in shapes:
             B, L = parse_shape(shape)
             row = {"shape": shape, "tokens": B * L, "ours": {}}

@@ -45,22 +45,23 @@ def head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stri
 
 
 @triton.jit
-def load_state(ssm_f32, ssm_bf16, is_bf16, base, offs):
-    """One head's state tile from its partition, in f32 (either dtype in, f32 registers out)."""
+def load_state(ssm_f32, ssm_bf16, is_bf16, base, offs, EVICT: tl.constexpr, CACHE: tl.constexpr):
+    """One head's state tile from its partition, in f32 (either dtype in, f32 registers out).
+    EVICT / CACHE: L2 eviction policy and PTX cache operator ("" = defaults)."""
     if is_bf16 != 0:
-        s = tl.load(ssm_bf16 + base + offs).to(tl.float32)
+        s = tl.load(ssm_bf16 + base + offs, eviction_policy=EVICT, cache_modifier=CACHE).to(tl.float32)
     else:
-        s = tl.load(ssm_f32 + base + offs)
+        s = tl.load(ssm_f32 + base + offs, eviction_policy=EVICT, cache_modifier=CACHE)
     return s
 
 
 @triton.jit
-def store_state(ssm_f32, ssm_bf16, is_bf16, base, offs, s):
+def store_state(ssm_f32, ssm_bf16, is_bf16, base, offs, s, EVICT: tl.constexpr, CACHE: tl.constexpr):
     """Store an f32 state tile back in its partition's dtype (round-to-nearest-even for bf16)."""
     if is_bf16 != 0:
-        tl.store(ssm_bf16 + base + offs, s.to(tl.bfloat16))
+        tl.store(ssm_bf16 + base + offs, s.to(tl.bfloat16), eviction_policy=EVICT, cache_modifier=CACHE)
     else:
-        tl.store(ssm_f32 + base + offs, s)
+        tl.store(ssm_f32 + base + offs, s, eviction_policy=EVICT, cache_modifier=CACHE)
 
 
 # ---- launcher-side checks (host metadata only: no device syncs, CUDA-graph safe) -------------------

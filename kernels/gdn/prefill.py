@@ -259,7 +259,7 @@ def _chunk_state_kernel(
     o_t = tl.arange(0, BT)
     offs = o_k[:, None] * DV + o_v[None, :]
     is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot, DK, DV)
-    s = load_state(ssm_f32, ssm_bf16, is_bf16, base, offs)
+    s = load_state(ssm_f32, ssm_bf16, is_bf16, base, offs, "", "")
 
     for c in range(tl.cdiv(eos - bos, BT)):
         t = bos + c * BT + o_t
@@ -278,7 +278,7 @@ def _chunk_state_kernel(
         row_scale = tl.where(m_t, _rnorm(b_k) * tl.exp(g_last - b_gc), 0.0)
         s = s * tl.exp(g_last) + _mm(tl.trans(b_k), v_new * row_scale[:, None], DOT_BF16, PREC)
 
-    store_state(ssm_f32, ssm_bf16, is_bf16, base, offs, s)
+    store_state(ssm_f32, ssm_bf16, is_bf16, base, offs, s, "", "")
 
 
 # ---- 3. outputs (parallel over chunks) ------------------------------------------------------------------
