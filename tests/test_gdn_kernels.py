@@ -213,6 +213,47 @@ def test_decode_cache_policies(poison_empty, config):
     run_decode(SMALL, 3, "0.5", torch.float32, KERNEL_DEVICE, config=config)
 
 
+_TILE_LAYOUT_PROBE = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from linrnn_kernels.gdn import decode
+fn = decode._gdn_decode_kernel
+cex = dict(HV=32, GROUP=2, DK=128, DV=128, BV=64, LOAD_EVICT="evict_first", LOAD_CACHE="",
+           STORE_EVICT="evict_first", STORE_CACHE="")
+f32 = ("A_log", "dt_bias", "ssm_f32")
+i32 = ("head_is_bf16", "head_local", "state_indices")
+sig, consts, attrs = {}, {}, {}
+for i, name in enumerate(fn.arg_names):
+    if name in cex:
+        sig[name], consts[(i,)] = "constexpr", cex[name]
+    elif name == "scale":
+        sig[name] = "fp32"
+    else:  # pointers and strides, 16-divisible as in the model
+        sig[name] = "*fp32" if name in f32 else "*i32" if name in i32 else "i32" if name.startswith("stride") else "*bf16"
+        attrs[(i,)] = [["tt.divisibility", 16]]
+ttgir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ttgir"]
+print("TILE_CONVERTS", len(re.findall(r"convert_layout .*: tensor<128x64x", ttgir)))
+"""
+
+
+def test_decode_f32_tile_keeps_one_register_layout():
+    """Compiled for sm_90 (no GPU needed; a fresh process, outside the interpreter): the [Dk, BV] state
+    tile is loaded, updated and stored in one register layout. When the bf16 partition's wider accesses
+    set the f32 load's layout, the f32 tile crossed shared memory in barrier-separated rounds before
+    every store (80 % vs 85 % of copy bandwidth at B = 64 on an H200)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _TILE_LAYOUT_PROBE], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert "TILE_CONVERTS" in out.stdout, out.stderr[-2000:]
+    assert out.stdout.split("TILE_CONVERTS")[1].split()[0] == "0", "the state tile changes register layout"
+
+
 def test_decode_rejects_bad_inputs():
     q, k, v, a, b, A_log, dt_bias = make_inputs(2, 2, 4, 16, 16, torch.float32, "cpu")
     f32, bf, isb, loc = make_pools(4, 16, 16, 4, [False, True, False, True], [1, 2], "cpu")

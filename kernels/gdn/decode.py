@@ -9,8 +9,10 @@ and written back in place in that dtype through state_indices; padded rows index
 Bandwidth design: the state is read and written exactly once (B x Hv x Dk x Dv x 4 B each way for
 f32 heads dominates everything else) with an evict-first L2 hint, each row of a tile is BV contiguous
 elements (>= 64 B), and the grid is B x Hv x Dv/BV programs: [Dk, 16] tiles at B = 1 so that every
-SM streams, up to [Dk, 64] at large batch (decode_config). Both reductions over Dk
-(S^T k and S^T q) read the loaded tile, so the store waits on one reduction round, not two.
+SM streams, up to [Dk, 64] at large batch (decode_config). Both partitions use 4 elements per thread
+(16-byte f32, 8-byte bf16 accesses) so an f32 tile never changes register layout between its load and
+its store, and the q/k norms are applied after the reductions, so all sums over Dk take two cross-warp
+rounds (issue #4: 80 -> 85 % of copy bandwidth at B = 64, benchmarks/results/kernels/gdn-decode/).
 """
 from __future__ import annotations
 
@@ -43,6 +45,16 @@ class DecodeConfig(NamedTuple):
 
 
 @triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
 def _gdn_decode_kernel(
     q, k, v, a, b, A_log, dt_bias,
     ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
@@ -67,25 +79,29 @@ def _gdn_decode_kernel(
     slot = tl.load(state_indices + i_b)
     is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
                                       DK, DV)
-    offs = o_k[:, None] * DV + o_v[None, :]
+    # 4 elements per thread in either partition (16 B f32, 8 B bf16 accesses): Triton gives a load the
+    # widest vector of any same-shaped access in the kernel (bf16's 8 elements) but caps stores at 16 B,
+    # and f32 tiles then crossed shared memory, in barrier-separated rounds, between load and store layouts
+    offs = tl.max_contiguous(o_k[:, None] * DV + o_v[None, :], [1, 4])
     s = load_state(ssm_f32, ssm_bf16, is_bf16, base, offs, LOAD_EVICT, LOAD_CACHE)
 
     b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
     b_k = tl.load(k + i_b * stride_k_tok + i_hk * stride_k_head + o_k).to(tl.float32)
-    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale  # SPEC §1.4 #3, §1.5.5
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
     b_v = tl.load(v + i_b * stride_v_tok + i_h * stride_v_head + o_v).to(tl.float32)
     g, beta = gates(tl.load(a + i_b * stride_a_tok + i_h), tl.load(b + i_b * stride_b_tok + i_h),
                     tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32))
-
-    # SPEC §1.5.7: S' = exp(g) S + k u^T with u = beta (v - exp(g) S^T k), o = S'^T q; written as
-    # o = exp(g) S^T q + (k.q) u so that both reductions read the loaded tile independently
+    # SPEC §1.5.7 with the L2 norms of §1.4 #3 / §1.5.5 folded in after the reductions (k = r_k k_raw,
+    # q = r_q scale q_raw): S' = exp(g) S + k u^T, u = beta (v - exp(g) S^T k), o = S'^T q written as
+    # o = exp(g) S^T q + (k.q) u. Every sum over Dk then comes from two cross-warp reductions (three
+    # scalars; two columns of the tile) instead of five, and both tile reductions read the loaded tile.
     decay = tl.exp(g)
-    sk = tl.sum(s * b_k[:, None], 0)
-    sq = tl.sum(s * b_q[:, None], 0)
-    u = beta * (b_v - decay * sk)
-    b_o = decay * sq + tl.sum(b_k * b_q, 0) * u
-    s = s * decay + b_k[:, None] * u[None, :]
+    qq, kk, kq = tl.reduce((b_q * b_q, b_k * b_k, b_q * b_k), 0, _add3)
+    r_q = tl.rsqrt(qq + 1e-6) * scale
+    r_k = tl.rsqrt(kk + 1e-6)
+    sk, sq = tl.reduce((s * b_k[:, None], s * b_q[:, None]), 0, _add2)
+    u = beta * (b_v - decay * r_k * sk)
+    b_o = decay * r_q * sq + (kq * r_k * r_q) * u
+    s = s * decay + (b_k * r_k)[:, None] * u[None, :]
 
     tl.store(o + (i_b * HV + i_h) * DV + o_v, b_o.to(o.dtype.element_ty))
     store_state(ssm_f32, ssm_bf16, is_bf16, base, offs, s, STORE_EVICT, STORE_CACHE)
