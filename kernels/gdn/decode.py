@@ -115,10 +115,10 @@ def _hints(kind: str, hint: str) -> dict:
 def decode_config(B: int, Hv: int, Dk: int, Dv: int, device) -> DecodeConfig:
     """Tile shape by how many programs the batch makes; evict-first state hints always.
 
-    Measured on H200 (benchmarks/results/kernels/gdn-decode/gdn_decode_sweep.md, 35B-A3B heads):
-    [Dk, 64] tiles on 4 warps reach 80-93 % of copy bandwidth at B >= 64 (where [Dk, 32] tiles reach
-    70-84 %) once they fill every SM 8 times over; [Dk, 32] on 2 warps win at mid batch (B = 8: 12.5 vs
-    14.4 us); [Dk, 16] when even those leave SMs idle (B = 1: 4.2 vs 5.3 us). The tile shape sets the
+    Measured on H200 (benchmarks/results/kernels/gdn-decode/gdn_decode_sweep.md and layout_fix/, 35B-A3B
+    heads): [Dk, 64] tiles on 4 warps reach 86-91 % of copy bandwidth at B >= 64 (where [Dk, 32] tiles reach
+    80-84 %) once they fill every SM 8 times over; [Dk, 32] on 2 warps win at mid batch (B = 8: 11.8 vs
+    12.3 us); [Dk, 16] when even those leave SMs idle (B = 1: 3.7 vs 4.2 us). The tile shape sets the
     order of the Dk reduction, so a row's low bits depend on B through this choice; the engine runs
     every decode step, graphed or eager, at its bucket size, so graphs on == off stays bit-exact. The
     state is read once and written once per step and next touched a whole forward pass later:
