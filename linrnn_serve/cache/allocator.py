@@ -32,6 +32,9 @@ class SlotAllocator:
     def num_used(self) -> int:
         return len(self._used)
 
+    def used_slots(self) -> list[int]:
+        return list(self._used)
+
     def check_all_free(self) -> None:
         if self._used or len(self._free) != self.capacity:
             raise RuntimeError(f"state slots leaked: {sorted(self._used)}")
@@ -67,6 +70,10 @@ class BlockAllocator:
     @property
     def num_used(self) -> int:
         return self.capacity - len(self._free)
+
+    def refcounts(self) -> dict[int, int]:
+        """Block -> holders, for every allocated block (integrity checks)."""
+        return dict(self._ref)
 
     def free(self, blocks: list[int]) -> None:
         for b in blocks:

@@ -60,6 +60,26 @@ class HybridStateCache:
             t[dst].copy_(t[src])
         self.conv[:, dst].copy_(self.conv[:, src])
 
+    @property
+    def layout_key(self) -> tuple:
+        """What a slot's bytes mean: the head map (which heads are bf16) and the conv dtype."""
+        return (tuple(tuple(m) for m in self.bf16_heads), str(self.conv.dtype), tuple(self.conv.shape[2:]))
+
+    def copy_to(self, dst: "HybridStateCache", src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy whole slots into another pool of the same layout (prefix-cache snapshot save and
+        restore: bit-exact, each head in its partition's dtype)."""
+        if not src_slots:
+            return
+        if dst.layout_key != self.layout_key:
+            raise RuntimeError("state pools of different head maps / dtypes: a snapshot taken under one "
+                               "ssm_bf16_tau cannot be restored under another")
+        dev = self.conv.device
+        si = torch.as_tensor(src_slots, dtype=torch.long, device=dev)
+        di = torch.as_tensor(dst_slots, dtype=torch.long, device=dev)
+        for s, d in zip(self.ssm_f32 + self.ssm_bf16, dst.ssm_f32 + dst.ssm_bf16):
+            d.index_copy_(0, di, s.index_select(0, si))
+        dst.conv.index_copy_(1, di, self.conv.index_select(1, si))
+
     def bytes_per_seq(self) -> int:
         per = sum(t[0].numel() * t.element_size() for t in self.ssm_f32 + self.ssm_bf16)
         return per + self.conv[:, 0].numel() * self.conv.element_size()
