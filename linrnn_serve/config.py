@@ -303,3 +303,9 @@ class EngineConfig:
     max_queue_len: int = 1024  # waiting requests beyond this are refused (HTTP 503)
     served_model_name: str | None = None
     num_kv_blocks: int | None = None  # override the memory-budget computation (tests)
+    # exact prefix caching (cache/prefix_cache.py): radix tree of KV blocks + recurrent-state snapshots
+    enable_prefix_caching: bool = False
+    # share of the cache memory (what gpu_memory_utilization leaves after weights, state slots,
+    # activations and graphs) given to the prefix cache's state snapshots; the rest is paged KV
+    prefix_snapshot_fraction: float = 0.1
+    num_prefix_snapshots: int | None = None  # override the snapshot count (tests)

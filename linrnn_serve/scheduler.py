@@ -21,6 +21,15 @@ recurrent state right after that forward (`StepPlan.slot_copies`, HybridStateCac
 All n first tokens are drawn from the prompt's last logits with per-sample seeds. After the fork
 each sample is an independent sequence (preempted alone, recomputed alone).
 
+Prefix caching (optional, cache/prefix_cache.py): at admission a sequence looks up its tokens (all
+but the last, whose logits it needs) in the radix tree; if a state snapshot sits at depth q on its
+path it restores it (`StepPlan.snapshot_restores`, instead of a reset), shares the KV blocks of
+[0, q) (the partly filled last one is copied on first write) and prefills from q. If the path goes
+on to p > q, its first chunk ends exactly at p and the state there is snapshotted (a divergence
+point). Every prefill that reaches the end of a sequence's tokens (a prompt, a recompute) and every
+sequence that finishes (stop / length) snapshots too. Requests that ask for prompt logprobs compute
+their whole prompt. Tree entries are evicted (LRU, unlocked only) before anyone is preempted.
+
 Finish detection (vLLM semantics): EOS (unless ignore_eos) and stop_token_ids, only once
 min_tokens are out; stop strings on the detokenized text, across token boundaries (the text is cut
 before the stop string unless include_stop_str_in_output); max_tokens; the context limit.
@@ -35,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from linrnn_serve.cache.allocator import BlockAllocator, SlotAllocator
+from linrnn_serve.cache.prefix_cache import PrefixCache, PrefixMatch
 from linrnn_serve.runner.plan import (
     DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult, sample_seed, uniform_for,
 )
@@ -79,6 +89,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.prefix_node = None  # prefix-cache node it restored from (locked while it runs)
+        self.divergence_at: int | None = None  # depth whose state it snapshots (its chunk ends there)
 
     @property
     def priority(self) -> tuple[int, int]:
@@ -127,6 +139,8 @@ class Request:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.aborted = False
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
+        self.num_prefill_tokens = 0  # tokens this request's sequences prefilled (recomputes included)
 
     @property
     def finished(self) -> bool:
@@ -153,17 +167,25 @@ class SchedulerStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     generation_tokens: int = 0
     recomputed_tokens: int = 0  # tokens re-prefilled after preemption
+    prefill_tokens: int = 0  # tokens run through prefill forwards
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admission)
+    prefix_cache_hits: int = 0  # of which served from it
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, slots: SlotAllocator, blocks: BlockAllocator,
-                 eos_token_ids: set[int] | list[int] = (), detokenizer_factory: DetokenizerFactory | None = None):
+                 eos_token_ids: set[int] | list[int] = (), detokenizer_factory: DetokenizerFactory | None = None,
+                 prefix_cache: PrefixCache | None = None):
         if cfg.max_num_batched_tokens < cfg.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({cfg.max_num_seqs}): every running sequence decodes each step")
         if slots.capacity < cfg.max_num_seqs:
             raise ValueError(f"{slots.capacity} state slots cannot hold max_num_seqs={cfg.max_num_seqs}")
         self.cfg, self.slots, self.blocks = cfg, slots, blocks
+        self.prefix = prefix_cache
+        if prefix_cache is not None and (prefix_cache.blocks is not blocks or prefix_cache.block_size != cfg.block_size):
+            raise ValueError("the prefix cache must share the scheduler's block allocator and block size")
+        self._pending_saves: list[tuple[int, int]] = []  # finished sequences' (slot, snapshot), next step
         self.eos_token_ids = set(eos_token_ids)
         self.detokenizer_factory = detokenizer_factory
         self.requests: dict[str, Request] = {}
@@ -239,6 +261,7 @@ class Scheduler:
     # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        plan.snapshot_saves_before, self._pending_saves = self._pending_saves, []
         budget = self.cfg.max_num_batched_tokens
         scheduled: set[int] = set()
 
@@ -267,43 +290,89 @@ class Scheduler:
             plan.prefill.append(self._prefill_row(seq, n, plan))
             budget -= n
 
+        bs = self.cfg.block_size
         while self.waiting and budget > 0:  # 3. admission
             seq = self.waiting[0]
             if self.slots.num_free < 1 + len(seq.pending_children):
                 break
-            n = min(len(seq.token_ids), budget, self._chunk_cap(seq))
-            need = -(-n // self.cfg.block_size)
+            m = self._lookup(seq)
+            q = seq.num_computed = m.cached
+            seq.divergence_at = m.matched if m.matched > q else None
+            n = min(len(seq.token_ids) - q, budget, self._chunk_cap(seq))
+            # new blocks past the shared ones + a copy of the partly valid last shared block
+            need = max(0, -(-(q + n) // bs) - len(m.blocks)) + (1 if q % bs else 0)
             reserve = self._watermark_blocks if self.running else 0
+            if self.prefix is not None:
+                self.prefix.lock(m.node)  # keep the snapshot we restore out of eviction's reach
+                if self.blocks.num_free - need < reserve:
+                    self.prefix.evict_blocks(need + reserve)
             if self.blocks.num_free - need < reserve:
+                if self.prefix is not None:
+                    self.prefix.unlock(m.node)
+                seq.num_computed, seq.divergence_at = 0, None
                 break
             self.waiting.pop(0)
             seq.slot = self.slots.alloc()
             for c in seq.pending_children:
                 c.slot = self.slots.alloc()
-            seq.blocks = self.blocks.alloc(need)
+            seq.prefix_node = m.node
+            seq.blocks = list(m.blocks)
+            for b in seq.blocks:
+                self.blocks.share(b)
             seq.status = SeqStatus.RUNNING
-            seq.num_computed = 0
             bisect.insort(self.running, seq, key=lambda s: s.priority)
-            plan.reset_slots.append(seq.slot)
-            plan.block_table_updates.append((seq.slot, 0, list(seq.blocks)))
+            if q:
+                plan.snapshot_restores.append((m.node.snapshot, seq.slot))
+                plan.block_table_updates.append((seq.slot, 0, list(seq.blocks)))
+            else:
+                plan.reset_slots.append(seq.slot)
+            if not self._reserve(seq, n, plan, scheduled):
+                raise RuntimeError("admission reserved blocks it had counted as free")
             if not seq.group.admitted:
                 seq.group.admitted = True
                 self._num_unadmitted -= 1
                 self.stats.prompt_tokens += seq.prompt_len
+                seq.group.num_cached_tokens = q
+                if self.prefix is not None:
+                    self.stats.prefix_cache_queries += seq.prompt_len
+                    self.stats.prefix_cache_hits += q
             else:
-                self.stats.recomputed_tokens += len(seq.token_ids)
+                self.stats.recomputed_tokens += len(seq.token_ids) - q
             scheduled.add(seq.seq_id)
             plan.prefill.append(self._prefill_row(seq, n, plan))
             budget -= n
         return plan
 
+    def _lookup(self, seq: Sequence) -> PrefixMatch:
+        """The prefix cache's best restore point for `seq` (nothing for prompt-logprob requests,
+        which need logits at every prompt position). The last token is always computed: its logits
+        pick the next one."""
+        req = seq.group
+        if self.prefix is None or (req.prompt_logprobs is not None and seq.index == 0
+                                   and len(req.prompt_logprobs) < req.prompt_len):
+            return PrefixMatch()
+        return self.prefix.match(seq.token_ids, len(seq.token_ids) - 1)
+
+    def _snapshot_after(self, seq: Sequence, depth: int, plan: StepPlan) -> None:
+        """Snapshot seq's state after `depth` tokens once this step's forward has run."""
+        if self.prefix.has_snapshot(seq.token_ids[:depth]):
+            return
+        snap = self.prefix.alloc_snapshot()
+        if snap is not None:
+            plan.snapshot_saves.append((seq.slot, snap))
+            plan.snapshot_inserts.append((seq.seq_id, depth, snap))
+
     @staticmethod
     def _chunk_cap(seq: Sequence) -> int:
-        """Prompt logprobs need full-vocab logits for every prompt token: smaller chunks bound that."""
+        """Prompt logprobs need full-vocab logits for every prompt token: smaller chunks bound that.
+        A divergence snapshot needs a chunk that ends exactly at its depth."""
         req = seq.group
+        cap = 1 << 62
         if req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < req.prompt_len:
-            return PROMPT_LOGPROBS_MAX_CHUNK
-        return 1 << 62
+            cap = PROMPT_LOGPROBS_MAX_CHUNK
+        if seq.divergence_at is not None and seq.num_computed < seq.divergence_at:
+            cap = min(cap, seq.divergence_at - seq.num_computed)
+        return cap
 
     def _block_need(self, seq: Sequence, n: int) -> tuple[int, list[int]]:
         """(new blocks, indices of shared blocks to copy) for writing n more tokens."""
@@ -322,6 +391,8 @@ class Scheduler:
             new, cow = self._block_need(seq, n)
             if new + len(cow) <= self.blocks.num_free:
                 break
+            if self.prefix is not None and self.prefix.evict_blocks(new + len(cow)):
+                continue
             victim = next((v for v in reversed(self.running)
                            if v is not seq and v.seq_id not in scheduled), None)
             if victim is None:
@@ -355,6 +426,10 @@ class Scheduler:
         plan.preempted.append(seq.seq_id)
 
     def _release(self, seq: Sequence) -> None:
+        if seq.prefix_node is not None:
+            self.prefix.unlock(seq.prefix_node)
+            seq.prefix_node = None
+        seq.divergence_at = None
         if seq.slot is not None:
             self.slots.free(seq.slot)
             seq.slot = None
@@ -366,6 +441,16 @@ class Scheduler:
         start = seq.num_computed
         row = PrefillRow(seq.seq_id, seq.token_ids[start:start + n], start, seq.slot, list(seq.blocks))
         req = seq.group
+        req.num_prefill_tokens += n
+        self.stats.prefill_tokens += n
+        if self.prefix is not None:
+            end = start + n
+            if seq.divergence_at is not None and end >= seq.divergence_at:
+                if end == seq.divergence_at and end < len(seq.token_ids):
+                    self._snapshot_after(seq, end, plan)
+                seq.divergence_at = None
+            if end == len(seq.token_ids):
+                self._snapshot_after(seq, end, plan)
         if req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < req.prompt_len:
             done = len(req.prompt_logprobs)  # entries for prompt positions [0, done)
             nxt = [seq.token_ids[p + 1] if done <= p + 1 < seq.prompt_len else None for p in range(start, start + n)]
@@ -410,6 +495,11 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         touched: dict[str, Request] = {}
         sampled: list[Sequence] = []
+        for seq_id, depth, snap in plan.snapshot_inserts:  # the forward has written these snapshots
+            seq = self.seqs.get(seq_id)
+            ok = seq is not None and not seq.finished and len(seq.blocks) * self.cfg.block_size >= depth
+            if not (ok and self.prefix.insert(seq.token_ids[:depth], seq.blocks, snap)):
+                self.prefix.snapshots.free(snap)
         for row in plan.decode:
             seq = self.seqs.get(row.sampling.seq_id)
             if seq is None or seq.finished:
@@ -475,6 +565,9 @@ class Scheduler:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        if self.prefix is not None and reason != "abort" and seq.status is SeqStatus.RUNNING and \
+                seq.num_computed > 0 and not seq.pending_children:
+            self._snapshot_finished(seq)
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
@@ -496,13 +589,30 @@ class Scheduler:
             req.finished_time = time.monotonic()
             del self.requests[req.request_id]
 
+    def _snapshot_finished(self, seq: Sequence) -> None:
+        """Keep a finished sequence's state (prompt + output fed so far) and KV in the prefix tree;
+        its slot is read at the start of the next step, before anyone reuses it."""
+        toks = seq.token_ids[:seq.num_computed]
+        if self.prefix.has_snapshot(toks):
+            return
+        snap = self.prefix.alloc_snapshot()
+        if snap is None:
+            return
+        if self.prefix.insert(toks, seq.blocks, snap):
+            self._pending_saves.append((seq.slot, snap))
+        else:
+            self.prefix.snapshots.free(snap)
+
     def check_idle_integrity(self) -> None:
         """When nothing is queued, every state slot and KV block must be back in its free list."""
         if self.requests or self.running or self.waiting or self.seqs:
             raise RuntimeError(f"scheduler not idle: {len(self.requests)} requests, {len(self.running)} running, "
                                f"{len(self.waiting)} waiting, {len(self.seqs)} sequences")
         self.slots.check_all_free()
-        self.blocks.check_all_free()
+        if self.prefix is None:
+            self.blocks.check_all_free()
+        else:  # the tree's entries are the only holders left
+            self.prefix.check_idle()
 
 
 def _find_stop(text: str, new_chars: int, stops: list[str], include: bool) -> tuple[str, int | None] | None:

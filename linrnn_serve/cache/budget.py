@@ -10,6 +10,10 @@ that padded CUDA-graph rows write to. KV blocks get what is left (vLLM's rule):
     blocks    = kv_bytes // bytes per block (+1 dummy), capped at what max_num_seqs sequences of
                 max_model_len tokens could ever use.
 
+With prefix caching, `prefix_snapshot_fraction` of kv_bytes goes to the snapshot pool instead
+(snapshots of the same size as a state slot; LRU-evicted in cache/prefix_cache.py) and KV gets
+the rest; `num_prefix_snapshots` overrides the count.
+
 On the CPU the budget is a fixed `CPU_KV_BYTES`. `EngineConfig.num_kv_blocks` overrides all of it.
 Pure arithmetic: no tensors are allocated here.
 """
@@ -46,6 +50,8 @@ class CacheBudget:
     activation_reserve: int = 0
     graph_reserve: int = 0
     source: str = ""  # how the KV count was decided (logs)
+    num_snapshots: int = 0  # prefix-cache state snapshots (incl. dummy 0 when > 0)
+    cache_bytes: int = 0  # memory the KV (and snapshot) pools may use before the max_num_seqs cap
 
     @property
     def state_bytes(self) -> int:
@@ -59,10 +65,16 @@ class CacheBudget:
     def kv_tokens(self) -> int:
         return (self.num_kv_blocks - 1) * self.block_size
 
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshots * self.state_bytes_per_seq
+
     def describe(self) -> str:
+        snaps = (f"; {self.num_snapshots - 1} prefix snapshots ({self.snapshot_bytes / GiB:.3f} GiB)"
+                 if self.num_snapshots else "")
         return (f"{self.num_state_slots - 1} state slots x {self.state_bytes_per_seq / MiB:.2f} MiB "
                 f"= {self.state_bytes / GiB:.3f} GiB; {self.num_kv_blocks - 1} KV blocks x {self.block_size} "
-                f"tokens ({self.kv_tokens} tokens, {self.kv_bytes / GiB:.3f} GiB) [{self.source}]")
+                f"tokens ({self.kv_tokens} tokens, {self.kv_bytes / GiB:.3f} GiB){snaps} [{self.source}]")
 
 
 def state_bytes_per_seq(cfg: ModelConfig, act_dtype: torch.dtype, bf16_heads: list[list[bool]] | None) -> int:
@@ -97,9 +109,45 @@ def compute_budget(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.d
                    max_num_seqs: int, max_model_len: int, block_size: int, gpu_memory_utilization: float,
                    bf16_heads: list[list[bool]] | None = None, num_kv_blocks: int | None = None,
                    activation_peak: int | None = None, max_num_batched_tokens: int = 2048,
-                   enforce_eager: bool = False, mem_info: tuple[int, int] | None = None) -> CacheBudget:
+                   enforce_eager: bool = False, mem_info: tuple[int, int] | None = None,
+                   prefix_snapshot_fraction: float = 0.0, num_prefix_snapshots: int | None = None) -> CacheBudget:
     """Decide the cache sizes. `activation_peak` is a profile run's peak scratch bytes (the caller
-    measures it with the weights loaded); `mem_info` = (free, total) bytes, default from CUDA."""
+    measures it with the weights loaded); `mem_info` = (free, total) bytes, default from CUDA.
+    `prefix_snapshot_fraction` > 0 (prefix caching on) gives that share of the KV memory to state
+    snapshots."""
+    out = _compute_kv(cfg, device=device, act_dtype=act_dtype, kv_dtype=kv_dtype, max_num_seqs=max_num_seqs,
+                      max_model_len=max_model_len, block_size=block_size,
+                      gpu_memory_utilization=gpu_memory_utilization, bf16_heads=bf16_heads,
+                      num_kv_blocks=num_kv_blocks, activation_peak=activation_peak,
+                      max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager, mem_info=mem_info)
+    if num_prefix_snapshots is not None:
+        if num_prefix_snapshots < 1:
+            raise CacheBudgetError(f"num_prefix_snapshots must be >= 1, got {num_prefix_snapshots}")
+        out.num_snapshots = num_prefix_snapshots + 1
+    elif prefix_snapshot_fraction > 0:
+        if not 0.0 < prefix_snapshot_fraction < 1.0:
+            raise CacheBudgetError(f"prefix_snapshot_fraction must be in (0, 1), got {prefix_snapshot_fraction}")
+        avail = out.cache_bytes if num_kv_blocks is None else out.kv_bytes
+        want = int(avail * prefix_snapshot_fraction) // max(out.state_bytes_per_seq, 1)
+        if want < 1:
+            raise CacheBudgetError(
+                f"prefix_snapshot_fraction {prefix_snapshot_fraction} of {avail / MiB:.1f} MiB of cache "
+                f"memory does not hold one {out.state_bytes_per_seq / MiB:.1f} MiB state snapshot; raise it or "
+                f"gpu_memory_utilization")
+        if num_kv_blocks is None:  # the snapshots' bytes come out of the KV share
+            cap = max_useful_blocks(max_num_seqs, max_model_len, block_size)
+            kv_left = avail - want * out.state_bytes_per_seq
+            out.num_kv_blocks = max(2, min(cap, kv_left // max(out.kv_bytes_per_block, 1) + 1))
+        out.num_snapshots = want + 1
+        out.source += f", {prefix_snapshot_fraction:.2f} of it to prefix snapshots"
+    return out
+
+
+def _compute_kv(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.dtype, kv_dtype: torch.dtype,
+                max_num_seqs: int, max_model_len: int, block_size: int, gpu_memory_utilization: float,
+                bf16_heads: list[list[bool]] | None, num_kv_blocks: int | None, activation_peak: int | None,
+                max_num_batched_tokens: int, enforce_eager: bool,
+                mem_info: tuple[int, int] | None) -> CacheBudget:
     slots = max_num_seqs + 1
     per_seq = state_bytes_per_seq(cfg, act_dtype, bf16_heads)
     per_block = PagedKVCache.bytes_per_block(cfg, block_size, kv_dtype)
@@ -111,6 +159,7 @@ def compute_budget(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.d
         out.num_kv_blocks, out.source = num_kv_blocks, "num_kv_blocks override"
         return out
     if device.type != "cuda":
+        out.cache_bytes = CPU_KV_BYTES
         out.num_kv_blocks = max(2, min(cap, CPU_KV_BYTES // max(per_block, 1) + 1))
         out.source = f"CPU budget {CPU_KV_BYTES // MiB} MiB" + (", capped at max_num_seqs x max_model_len"
                                                                if out.num_kv_blocks == cap else "")
@@ -139,6 +188,7 @@ def compute_budget(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.d
             f"max_model_len {max_model_len} needs {need_one * per_block / GiB:.3f} GiB. Lower max_num_seqs or "
             f"max_model_len, or raise gpu_memory_utilization.")
     out.num_kv_blocks = min(cap, left // per_block + 1)
+    out.cache_bytes = left
     out.source = (f"{gpu_memory_utilization:.2f} x {total / GiB:.1f} GiB - {in_use / GiB:.1f} GiB in use - "
                   f"{act / GiB:.2f} GiB activations - {graphs / GiB:.2f} GiB graphs")
     return out

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from linrnn_serve.cache import BlockAllocator, HybridStateCache, ModelCaches, PagedKVCache, SlotAllocator
+from linrnn_serve.cache import BlockAllocator, HybridStateCache, ModelCaches, PagedKVCache, PrefixCache, SlotAllocator
 from linrnn_serve.cache.budget import CacheBudget, compute_budget
 from linrnn_serve.config import EngineConfig, ModelConfig
 from linrnn_serve.engine.metrics import EngineMetrics
@@ -116,10 +116,14 @@ class LLMEngine:
             max_model_len=self.max_model_len, block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization, bf16_heads=bf16_heads,
             num_kv_blocks=config.num_kv_blocks, activation_peak=peak,
-            max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
+            max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
+            prefix_snapshot_fraction=config.prefix_snapshot_fraction if config.enable_prefix_caching else 0.0,
+            num_prefix_snapshots=config.num_prefix_snapshots if config.enable_prefix_caching else None)
         state = HybridStateCache(cfg, self.budget.num_state_slots, self.dtype, self.device, bf16_heads)
         kv = PagedKVCache(cfg, self.budget.num_kv_blocks, config.block_size, self.dtype, self.device)
-        self.caches = ModelCaches(state, kv)
+        snapshots = HybridStateCache(cfg, self.budget.num_snapshots, self.dtype, self.device, bf16_heads) \
+            if config.enable_prefix_caching else None
+        self.caches = ModelCaches(state, kv, snapshots)
         self.runner = ModelRunner(self.model, self.caches, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=config.block_size,
                                   enforce_eager=config.enforce_eager, progress=progress)
@@ -128,11 +132,15 @@ class LLMEngine:
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in cfg.eos_token_id if e not in eos]
         self.eos_token_ids = eos
+        blocks = BlockAllocator(self.budget.num_kv_blocks)
+        self.prefix_cache = PrefixCache(blocks, SlotAllocator(self.budget.num_snapshots), config.block_size,
+                                        layout_key=snapshots.layout_key) if snapshots is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.block_size),
-            SlotAllocator(self.budget.num_state_slots), BlockAllocator(self.budget.num_kv_blocks), eos,
-            (lambda ids, p: self.tokenizer.detokenizer(ids, p)) if self.tokenizer else None)
+            SlotAllocator(self.budget.num_state_slots), blocks, eos,
+            (lambda ids, p: self.tokenizer.detokenizer(ids, p)) if self.tokenizer else None,
+            prefix_cache=self.prefix_cache)
         self._rng = random.Random(config.seed)
         self.metrics = EngineMetrics()
         self._finished_aborts: list[RequestOutput] = []
@@ -174,6 +182,10 @@ class LLMEngine:
             bad(f"max_model_len must be >= 2, got {c.max_model_len}")
         if c.max_queue_len < 1:
             bad(f"max_queue_len must be >= 1, got {c.max_queue_len}")
+        if c.enable_prefix_caching and c.num_prefix_snapshots is None and not 0.0 < c.prefix_snapshot_fraction < 1.0:
+            bad(f"prefix_snapshot_fraction must be in (0, 1), got {c.prefix_snapshot_fraction}")
+        if c.num_prefix_snapshots is not None and c.num_prefix_snapshots < 1:
+            bad(f"num_prefix_snapshots must be >= 1, got {c.num_prefix_snapshots}")
 
     def _load_tokenizer(self, resolved: ResolvedModel) -> Tokenizer | None:
         d = resolved.tokenizer_dir
@@ -313,10 +325,10 @@ class LLMEngine:
             logprobs=list(s.logprobs) if s.logprobs is not None else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                   "finished_time": req.finished_time}
+                   "finished_time": req.finished_time, "num_prefill_tokens": req.num_prefill_tokens}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
                              prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-                             metrics=metrics)
+                             metrics=metrics, num_cached_tokens=req.num_cached_tokens)
 
     # ---- introspection -------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -344,6 +356,11 @@ class LLMEngine:
             "prompt_tokens_total": sch.prompt_tokens,
             "generation_tokens_total": sch.generation_tokens,
             "recomputed_tokens_total": sch.recomputed_tokens,
+            "prefill_tokens_total": sch.prefill_tokens,
+            # vLLM's names: prompt tokens looked up in / served from the prefix cache
+            "prefix_cache_queries_total": sch.prefix_cache_queries,
+            "prefix_cache_hits_total": sch.prefix_cache_hits,
+            "prefix_cache_snapshots": self.prefix_cache.num_snapshots if self.prefix_cache else 0,
             "request_success_total": finished,
             "num_steps_total": self.num_steps,
             **hist,

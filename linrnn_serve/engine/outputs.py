@@ -28,6 +28,7 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None  # first entry None (no context)
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time, ...
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (usage.prompt_tokens_details)
 
 
 class EngineFullError(RuntimeError):

@@ -1,14 +1,16 @@
 """ModelRunner: executes a scheduler StepPlan on the model and caches; returns sampled tokens.
 
 Per step (runner/plan.py):
-  1. block-table edits, fresh-slot resets and copy-on-write KV block copies;
+  1. block-table edits, prefix-cache snapshot saves of finished sequences, fresh-slot resets or
+     snapshot restores, and copy-on-write KV block copies;
   2. decode: every one-token sequence in one forward at the bucket size (cuda_graphs.py), with its
      inputs written into static buffers; the block table of each row is gathered on the device from
      a per-slot table (`slot_tables`), so per step only token ids, positions, slots and sampling
      parameters cross the bus;
   3. prefill: the chunks in one eager varlen forward; logits only for the rows that sample and for
      prompt-logprob positions (batch.logits_indices);
-  4. n > 1 forks copy the prompt's recurrent state to the samples' slots;
+  4. n > 1 forks copy the prompt's recurrent state to the samples' slots; prefix-cache snapshots
+     of states this forward produced (prompt ends, divergence points) are saved;
   5. one host transfer of the sampled ids (the only sync of a step).
 """
 from __future__ import annotations
@@ -140,6 +142,7 @@ class ModelRunner:
         pre = self._run_prefill(plan.prefill, result) if plan.prefill else None
         for src, dst in plan.slot_copies:
             self.caches.state.copy_slot(src, dst)
+        self._save_snapshots(plan.snapshot_saves)
         for part in (dec, pre):
             if part is not None:
                 rows, ids, logits = part
@@ -154,13 +157,21 @@ class ModelRunner:
                 touched.append(slot)
             idx = torch.tensor(sorted(set(touched)), dtype=torch.long)
             self.slot_tables.index_copy_(0, idx.to(self.device), self.slot_tables_cpu[idx].to(self.device))
+        self._save_snapshots(plan.snapshot_saves_before)
         if plan.reset_slots:
             self.caches.state.reset_slots(plan.reset_slots)
+        if plan.snapshot_restores:
+            self.caches.snapshots.copy_to(self.caches.state, [s for s, _ in plan.snapshot_restores],
+                                          [d for _, d in plan.snapshot_restores])
         if plan.block_copies:
             src = torch.tensor([s for s, _ in plan.block_copies], dtype=torch.long, device=self.device)
             dst = torch.tensor([d for _, d in plan.block_copies], dtype=torch.long, device=self.device)
             kv = self.caches.kv.kv  # [layers, 2, blocks, block_size, heads, dim]
             kv[:, :, dst] = kv[:, :, src]
+
+    def _save_snapshots(self, saves: list[tuple[int, int]]) -> None:
+        if saves:
+            self.caches.state.copy_to(self.caches.snapshots, [s for s, _ in saves], [d for _, d in saves])
 
     def _run_decode(self, rows: list[DecodeRow]):
         n = len(rows)

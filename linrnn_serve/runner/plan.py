@@ -106,6 +106,16 @@ class StepPlan:
     slot_copies: list[tuple[int, int]] = field(default_factory=list)  # state (src, dst) after the forward (n>1)
     # sequences of this plan (in order) whose state was preempted: for logs/metrics only
     preempted: list[int] = field(default_factory=list)
+    # prefix caching (cache/prefix_cache.py): state slot <-> snapshot slot copies. Order in a step:
+    # saves_before (finished sequences' last state, read before their slots are reused), restores
+    # (snapshot -> a new sequence's slot, instead of a reset), the forward, saves (after the forward:
+    # prompt ends and divergence points)
+    snapshot_saves_before: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
+    snapshot_restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, state slot)
+    snapshot_saves: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
+    # scheduler bookkeeping (not for the runner): (seq_id, depth, snapshot) to enter into the tree
+    # once this step's forward has run
+    snapshot_inserts: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
