@@ -10,6 +10,14 @@ vLLM `bench serve` definitions (BENCH.md "Serving benchmark"):
 
 Prompts are random token-id lists of a fixed length (the completions API accepts token ids; vLLM
 and linrnn-serve both do), outputs a fixed length via max_tokens + ignore_eos, a fixed seed.
+
+`--workload multi-turn` (prefix caching): N users (`--num-users`, all at once) each hold a
+conversation of T turns (`--num-turns`): a system prompt of S tokens shared by every user
+(`--system-len`), then per turn U new user tokens (`--user-len`) appended, the request sent, and the
+reply (`--output-len` tokens, read back as ids through vLLM's `return_tokens_as_token_ids`; random
+ids if the server does not return them) appended before the next turn. Reported per turn: TTFT
+median / mean and the prefix-cache hit rate (`usage.prompt_tokens_details.cached_tokens` / prompt
+tokens); and the TTFT median over turns 2..T.
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    output_ids: list[int] = field(default_factory=list)  # with return_tokens_as_token_ids + logprobs
 
 
 async def send_request(client: httpx.AsyncClient, base_url: str, model: str, prompt, max_tokens: int,
@@ -62,7 +72,11 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, pro
                 if msg.get("usage"):
                     res.output_tokens = msg["usage"].get("completion_tokens", res.output_tokens)
                     res.prompt_tokens = msg["usage"].get("prompt_tokens", res.prompt_tokens)
+                    res.cached_tokens = (msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 choices = msg.get("choices") or []
+                for tok in ((choices[0].get("logprobs") or {}).get("tokens") or []) if choices else []:
+                    if isinstance(tok, str) and tok.startswith("token_id:"):
+                        res.output_ids.append(int(tok[9:]))
                 # every choice chunk is a token event, text or not (as vLLM's bench serve): a token can
                 # render as "" (an incomplete UTF-8 sequence, an id outside a small tokenizer's vocab)
                 if not choices or choices[0].get("text") is None:
@@ -147,6 +161,68 @@ async def run_benchmark(base_url: str, model: str, prompts: list, output_len: in
     return out
 
 
+async def run_multi_turn(base_url: str, model: str, num_users: int, num_turns: int, system_len: int,
+                         user_len: int, output_len: int, seed: int = 0, id_range: tuple[int, int] = (100, 1000),
+                         api_key: str | None = None, timeout: float = 600.0) -> dict:
+    """Every user runs its turns back to back; all users at once (concurrency = num_users)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(*id_range) for _ in range(system_len)]
+    user_rngs = [random.Random(seed * 1000003 + u + 1) for u in range(num_users)]
+    per_turn: list[list[RequestResult]] = [[] for _ in range(num_turns)]
+    replies_as_ids = [True]
+    extra = {"logprobs": 0, "return_tokens_as_token_ids": True}
+    limits = httpx.Limits(max_connections=num_users + 4, max_keepalive_connections=num_users + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        # warm-up (not measured, shares nothing with the conversations)
+        await send_request(client, base_url, model, [rng.randrange(*id_range) for _ in range(16)], 2, api_key)
+
+        async def user(u: int) -> None:
+            r_u, conv = user_rngs[u], list(system)
+            for t in range(num_turns):
+                conv += [r_u.randrange(*id_range) for _ in range(user_len)]
+                r = await send_request(client, base_url, model, list(conv), output_len, api_key, extra)
+                per_turn[t].append(r)
+                if not r.ok:
+                    return
+                if len(r.output_ids) != r.output_tokens:
+                    replies_as_ids[0] = False
+                    r.output_ids = [r_u.randrange(*id_range) for _ in range(r.output_tokens)]
+                conv += r.output_ids
+
+        start = time.perf_counter()
+        await asyncio.gather(*(user(u) for u in range(num_users)))
+        duration = time.perf_counter() - start
+    turns = []
+    for t, rs in enumerate(per_turn):
+        ok = [r for r in rs if r.ok]
+        prompt = sum(r.prompt_tokens for r in ok)
+        turns.append({"turn": t + 1, "completed": len(ok), "failed": len(rs) - len(ok),
+                      "prompt_tokens_mean": prompt / max(len(ok), 1), "ttft_ms": _stats([r.ttft for r in ok]),
+                      "hit_rate": sum(r.cached_tokens for r in ok) / max(prompt, 1)})
+    all_results = [r for rs in per_turn for r in rs]
+    out = summarize(all_results, duration)
+    later = [r for rs in per_turn[1:] for r in rs if r.ok]
+    out.update(workload="multi-turn", num_users=num_users, num_turns=num_turns, system_len=system_len,
+               user_len=user_len, output_len=output_len, max_concurrency=num_users, turns=turns,
+               replies_as_ids=replies_as_ids[0],
+               ttft_ms_turns_2_plus=_stats([r.ttft for r in later]),
+               hit_rate=sum(r.cached_tokens for r in all_results if r.ok) / max(out["input_tokens"], 1))
+    return out
+
+
+def format_turns(r: dict) -> str:
+    lines = ["| turn | prompt tokens (mean) | TTFT median / mean ms | prefix-cache hit rate | failed |",
+             "|---:|---:|---:|---:|---:|"]
+    for t in r["turns"]:
+        lines.append(f"| {t['turn']} | {t['prompt_tokens_mean']:.0f} | {t['ttft_ms']['median']:.1f} / "
+                     f"{t['ttft_ms']['mean']:.1f} | {100 * t['hit_rate']:.1f} % | {t['failed']} |")
+    x = r["ttft_ms_turns_2_plus"]
+    lines.append(f"\nturns 2-{r['num_turns']}: TTFT median {x['median']:.1f} ms, mean {x['mean']:.1f} ms; "
+                 f"hit rate {100 * r['hit_rate']:.1f} %; output {r['output_throughput']:.1f} tok/s"
+                 + ("" if r["replies_as_ids"] else " (replies re-sent as random ids: the server returned no ids)"))
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     head = ("| concurrency | req/s | out tok/s | total tok/s | TTFT mean / p99 ms | TPOT mean / p99 ms | "
             "ITL median / p99 ms | E2EL mean ms | failed |")
@@ -173,6 +249,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds of max_concurrency requests each")
     p.add_argument("--api-key", default=None)
     p.add_argument("--out", default=None, help="write results JSON here")
+    m = p.add_argument_group("multi-turn / shared-prefix workload (--workload multi-turn)")
+    m.add_argument("--workload", choices=("random", "multi-turn"), default="random")
+    m.add_argument("--num-users", type=int, default=32, help="conversations run at once")
+    m.add_argument("--num-turns", type=int, default=8)
+    m.add_argument("--system-len", type=int, default=2048, help="shared system prompt tokens")
+    m.add_argument("--user-len", type=int, default=128, help="new user tokens per turn (--output-len: reply)")
 
 
 def run(args) -> int:
@@ -182,6 +264,15 @@ def run(args) -> int:
     if model is None:
         model = httpx.get(base + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     lo, hi = (int(x) for x in args.token_id_range.split(","))
+    if args.workload == "multi-turn":
+        r = asyncio.run(run_multi_turn(base, model, args.num_users, args.num_turns, args.system_len, args.user_len,
+                                       args.output_len, args.seed, (lo, hi), args.api_key))
+        print(format_turns(r))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"base_url": base, "model": model, "runs": [r], "args": vars(args)}, f, indent=1,
+                          default=str)
+        return 0 if r["failed"] == 0 else 1
     rows = []
     for conc in [int(c) for c in str(args.max_concurrency).split(",")]:
         n = args.num_prompts or max(8, 4 * conc)

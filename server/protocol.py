@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from linrnn_server.errors import bad_request, unsupported
 
@@ -75,6 +75,7 @@ class _SamplingFields(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM; bench serve)
 
     def check_neutral(self) -> None:
         for name, ok in _NEUTRAL.items():
@@ -203,10 +204,22 @@ class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # set when the prefix cache served some
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_details(self, handler):
+        out = handler(self)
+        if out.get("prompt_tokens_details") is None:
+            out.pop("prompt_tokens_details", None)
+        return out
 
 
 class CompletionLogprobs(ResponseModel):

@@ -251,6 +251,17 @@ def clamp_logprob(v: float | None) -> float:
     return LOGPROB_FLOOR if v is None or v != v or v < LOGPROB_FLOOR else float(v)
 
 
+def usage_info(outputs: list[RequestOutput]):
+    """OpenAI's usage block; `prompt_tokens_details.cached_tokens` (as vLLM: only when the prefix
+    cache served part of a prompt) counts the prompt tokens that were not computed again."""
+    from linrnn_server.protocol import PromptTokensDetails, UsageInfo
+
+    p, g = usage_of(outputs)
+    cached = sum(getattr(o, "num_cached_tokens", 0) for o in outputs)
+    return UsageInfo(prompt_tokens=p, completion_tokens=g, total_tokens=p + g,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)
+
+
 def usage_of(outputs: list[RequestOutput]) -> tuple[int, int]:
     """(prompt tokens, completion tokens): each prompt once, every generated token of every sample."""
     return (sum(len(o.prompt_token_ids) for o in outputs),

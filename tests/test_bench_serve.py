@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse  # noqa: E402
 from linrnn_bench.serve import format_table, random_prompts, run_benchmark  # noqa: E402
 
 FIRST, GAP, N = 0.15, 0.05, 6  # first token after 150 ms, then one every 50 ms, 6 tokens
+PROMPTS = []  # every prompt the fake server got
 
 
 def _fake_app():
@@ -22,13 +23,20 @@ def _fake_app():
 
     @app.post("/v1/completions")
     async def completions(body: dict):
+        PROMPTS.append(body["prompt"])
+        ids = body.get("return_tokens_as_token_ids")
+
         async def gen():
             await asyncio.sleep(FIRST)
             for i in range(N):
                 if i:
                     await asyncio.sleep(GAP)
-                yield "data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i}"}]}) + "\n\n"
-            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": N, "total_tokens": 0}
+                choice = {"index": 0, "text": f"t{i}"}
+                if ids:
+                    choice["logprobs"] = {"tokens": [f"token_id:{7000 + i}"]}
+                yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": N, "total_tokens": 0,
+                     "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) // 2}}
             yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(gen(), media_type="text/event-stream")
@@ -89,6 +97,26 @@ def test_concurrency_limit_serialises(fake_server):
     r = asyncio.run(run_benchmark(fake_server, "m", prompts, N, max_concurrency=1))
     one = FIRST + (N - 1) * GAP
     assert r["duration_s"] >= 3 * one * 0.95  # one at a time
+
+
+def test_multi_turn_workload(fake_server):
+    """Users' prompts grow by U user tokens + the N reply ids per turn on a shared system prompt;
+    TTFT and hit rate per turn."""
+    from linrnn_bench.serve import format_turns, run_multi_turn
+
+    PROMPTS.clear()
+    r = asyncio.run(run_multi_turn(fake_server, "m", num_users=2, num_turns=3, system_len=10, user_len=4,
+                                   output_len=N, seed=1))
+    assert r["completed"] == 6 and r["replies_as_ids"] and len(r["turns"]) == 3
+    convs = PROMPTS[1:]  # after the warm-up
+    assert sorted(len(p) for p in convs) == sorted([14, 24, 34] * 2)
+    assert all(p[:10] == convs[0][:10] for p in convs)  # the shared system prompt
+    for p in convs:
+        if len(p) > 14:
+            assert p[14:14 + N] == [7000 + i for i in range(N)]  # the reply, as ids
+    assert all(FIRST * 1000 <= t["ttft_ms"]["median"] for t in r["turns"])
+    assert r["turns"][1]["hit_rate"] == pytest.approx(0.5) and r["turns"][1]["prompt_tokens_mean"] == 24
+    assert "| 3 | 34 |" in format_turns(r)
 
 
 def test_unreachable_server_reports_failures():

@@ -264,3 +264,21 @@ def test_stress_aborts_preemption_eviction_no_leaks(make_engine):
     eng.prefix_cache.clear()
     eng.scheduler.blocks.check_all_free()
     assert eng.prefix_cache.snapshots.num_used == 0
+
+
+def test_usage_reports_cached_tokens(make_engine):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field; omitted when nothing was cached,
+    as vLLM) and the hit / query counters behind vLLM's prefix_cache_{hits,queries} metrics."""
+    pytest.importorskip("pydantic")
+    from linrnn_server.serving import usage_info
+
+    eng = make_engine(enable_prefix_caching=True)
+    a = one(eng, "a", list(range(1, 30)), max_tokens=3)
+    b = one(eng, "b", list(range(1, 30)) + [5, 6], max_tokens=2)
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 29
+    assert usage_info([a]).model_dump() == {"prompt_tokens": 29, "completion_tokens": 3, "total_tokens": 32}
+    assert usage_info([b]).model_dump() == {"prompt_tokens": 31, "completion_tokens": 2, "total_tokens": 33,
+                                            "prompt_tokens_details": {"cached_tokens": 29}}
+    s = eng.stats()
+    assert (s["prefix_cache_queries_total"], s["prefix_cache_hits_total"]) == (60, 29)
+    assert s["kv_cache_usage"] == 0.0 and s["prefix_cache_blocks"] > 0 and s["prefix_cache_snapshots"] >= 2

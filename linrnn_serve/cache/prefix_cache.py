@@ -269,6 +269,10 @@ class PrefixCache:
                 refs[b] = refs.get(b, 0) + 1
         return refs
 
+    def cache_only_blocks(self) -> int:
+        """KV blocks no sequence holds (only tree entries): evictable."""
+        return sum(self.blocks.refcount(b) == n for b, n in self.block_refs().items())
+
     def check_idle(self) -> None:
         """With no sequence running: no locks, the block allocator's references are exactly the
         tree's, and the snapshot slots in use are exactly the nodes' snapshots."""

@@ -339,6 +339,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         s, sch = self.scheduler, self.scheduler.stats
+        cache_only = self.prefix_cache.cache_only_blocks() if self.prefix_cache else 0
         m = self.metrics
         with m.lock:
             hist = {"time_to_first_token_seconds": m.ttft.snapshot(),
@@ -350,7 +351,9 @@ class LLMEngine:
             "num_requests_waiting": s.num_waiting_requests,
             "num_seqs_running": s.num_running_seqs,
             "num_seqs_waiting": s.num_waiting_seqs,
-            "kv_cache_usage": s.blocks.num_used / max(s.blocks.capacity, 1),
+            # blocks only the prefix cache holds are evictable: free for this gauge, as vLLM counts them
+            "kv_cache_usage": (s.blocks.num_used - cache_only) / max(s.blocks.capacity, 1),
+            "prefix_cache_blocks": cache_only,
             "state_cache_usage": s.slots.num_used / max(s.slots.capacity, 1),
             "num_preemptions_total": sch.num_preemptions,
             "prompt_tokens_total": sch.prompt_tokens,

@@ -22,7 +22,7 @@ from linrnn_server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoic
                                     TokenLogprob, TopLogprob, UsageInfo)
 from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, render_chat_prompt, sse_error, sse_frame
 from linrnn_server.serving import (Generation, check_model, check_prompt, clamp_logprob, new_id, parse_body,
-                                   sampling_params, state_of, until_disconnect, usage_of)
+                                   sampling_params, state_of, until_disconnect, usage_info)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -80,9 +80,8 @@ async def create_chat_completion(request: Request):
                           logprobs=ChoiceLogprobs(content=_token_logprobs(eng, c.token_ids, c.logprobs or [], top_n))
                           if req.logprobs else None,
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in ro.outputs]
-    p, g = usage_of([ro])
     resp = ChatCompletionResponse(id=gen.base_id, created=created, model=model, choices=choices,
-                                  usage=UsageInfo(prompt_tokens=p, completion_tokens=g, total_tokens=p + g))
+                                  usage=usage_info([ro]))
     return JSONResponse(resp.model_dump())
 
 
@@ -99,8 +98,7 @@ async def _stream(gen: Generation, req: ChatCompletionRequest, model: str, creat
                                              usage=usage))
 
     def usage() -> UsageInfo:
-        p, g = usage_of([last]) if last is not None else (0, 0)
-        return UsageInfo(prompt_tokens=p, completion_tokens=g, total_tokens=p + g)
+        return usage_info([last]) if last is not None else UsageInfo()
 
     try:
         for i in range(req.num_samples):  # the role first, as OpenAI does

@@ -21,7 +21,7 @@ from linrnn_server.protocol import (CompletionChoice, CompletionLogprobs, Comple
                                     UsageInfo)
 from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, sse_error, sse_frame
 from linrnn_server.serving import (Generation, check_model, check_prompt, clamp_logprob, new_id, parse_body,
-                                   sampling_params, state_of, until_disconnect, usage_of)
+                                   sampling_params, state_of, until_disconnect, usage_info)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -42,13 +42,15 @@ def _prompts(eng: EngineClient, prompt) -> tuple[list[list[int]], list[str | Non
 class _LogprobBuilder:
     """Appends tokens to a CompletionLogprobs, keeping text_offset running across stream chunks."""
 
-    def __init__(self, eng: EngineClient, offset: int = 0):
+    def __init__(self, eng: EngineClient, offset: int = 0, as_ids: bool = False):
         self.eng, self.offset = eng, offset
+        # vLLM's return_tokens_as_token_ids: exact ids for clients that re-send the output as ids
+        self.token_str = (lambda t: f"token_id:{t}") if as_ids else eng.token_str
 
     def add(self, into: CompletionLogprobs, token_ids: list[int], entries: list[dict[int, float] | None],
             first_is_null: bool = False) -> CompletionLogprobs:
         for j, (tid, d) in enumerate(zip(token_ids, entries)):
-            tok = self.eng.token_str(tid)
+            tok = self.token_str(tid)
             into.tokens.append(tok)
             into.text_offset.append(self.offset)
             self.offset += len(tok)
@@ -58,7 +60,7 @@ class _LogprobBuilder:
                 continue
             into.token_logprobs.append(clamp_logprob(d.get(tid)))
             # the sampled token and the top-N alternatives (so up to N+1 entries, as OpenAI documents)
-            into.top_logprobs.append({self.eng.token_str(k): clamp_logprob(v)
+            into.top_logprobs.append({self.token_str(k): clamp_logprob(v)
                                       for k, v in sorted(d.items(), key=lambda kv: -kv[1])})
         return into
 
@@ -91,9 +93,8 @@ async def create_completion(request: Request):
     for pi, ro in enumerate(finals):
         for c in ro.outputs:
             choices.append(_choice(eng, req, pi, ro, c, texts[pi]))
-    p, g = usage_of(finals)
     resp = CompletionResponse(id=gen.base_id, created=created, model=model, choices=choices,
-                              usage=UsageInfo(prompt_tokens=p, completion_tokens=g, total_tokens=p + g))
+                              usage=usage_info(finals))
     return JSONResponse(resp.model_dump())
 
 
@@ -103,7 +104,7 @@ def _choice(eng: EngineClient, req: CompletionRequest, pi: int, ro: RequestOutpu
     prefix = _echo_text(eng, prompt_text, ro.prompt_token_ids) if req.echo else ""
     if req.logprobs is not None:
         logprobs = CompletionLogprobs()
-        b = _LogprobBuilder(eng)
+        b = _LogprobBuilder(eng, as_ids=req.return_tokens_as_token_ids)
         if req.echo:
             b.add(logprobs, ro.prompt_token_ids, ro.prompt_logprobs or [None] * len(ro.prompt_token_ids), True)
             b.offset = len(prefix)
@@ -125,8 +126,7 @@ async def _stream(gen: Generation, req: CompletionRequest, model: str, created: 
                                             usage=usage))
 
     def usage() -> UsageInfo:
-        p, g = usage_of(list(last.values()))
-        return UsageInfo(prompt_tokens=p, completion_tokens=g, total_tokens=p + g)
+        return usage_info(list(last.values()))
 
     try:
         async for pi, ro in gen.outputs():
@@ -142,7 +142,7 @@ async def _stream(gen: Generation, req: CompletionRequest, model: str, created: 
                 prefix = _echo_text(eng, texts[pi], ro.prompt_token_ids) if req.echo and first else ""
                 logprobs = None
                 if req.logprobs is not None:
-                    b = builders.setdefault(idx, _LogprobBuilder(eng))
+                    b = builders.setdefault(idx, _LogprobBuilder(eng, as_ids=req.return_tokens_as_token_ids))
                     logprobs = CompletionLogprobs()
                     if req.echo and first:
                         b.add(logprobs, ro.prompt_token_ids,
