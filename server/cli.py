@@ -83,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default inf: all f32)")
     e.add_argument("--ssm-calibration", default=None, metavar="TEXT_FILE",
                    help="text for the tier-2 calibration of the f32/bf16 head split")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="reuse the KV and recurrent-state snapshots of shared prompt prefixes (exact, any length)")
+    e.add_argument("--prefix-snapshot-fraction", type=float, default=0.1, metavar="F",
+                   help="share of the cache memory given to prefix-cache state snapshots (the rest is KV)")
+    e.add_argument("--num-prefix-snapshots", type=_positive_int, default=None,
+                   help="fix the number of prefix-cache state snapshots instead (testing)")
 
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces, as vLLM)")
@@ -106,7 +112,8 @@ def engine_config(args: argparse.Namespace):
         enforce_eager=args.enforce_eager, ssm_bf16_tau=args.ssm_bf16_tau, ssm_calibration=args.ssm_calibration,
         seed=args.seed, max_queue_len=args.max_queue_len,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        num_kv_blocks=args.num_kv_blocks)
+        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+        prefix_snapshot_fraction=args.prefix_snapshot_fraction, num_prefix_snapshots=args.num_prefix_snapshots)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

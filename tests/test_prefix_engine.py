@@ -83,13 +83,17 @@ def test_restore_is_lossless_at_any_depth(make_engine, tau):
     """A request served from a snapshot at p == an uncached request whose prefill is split at p:
     byte-identical logits at every output position and identical greedy tokens."""
     big = dict(max_num_batched_tokens=1100, max_model_len=1100, ssm_bf16_tau=tau)
-    cached = make_engine(enable_prefix_caching=True, **big)
-    plain = make_engine(**big)
-    if tau == 16.0:
-        assert 0.0 < cached.caches.state.f32_fraction() < 1.0  # a real hybrid split
+    check_lossless(make_engine(enable_prefix_caching=True, **big), make_engine(**big), hybrid=tau != math.inf)
+
+
+def check_lossless(cached, plain, hybrid: bool, depths=(1, 15, 16, 17, 63, 64, 65, 1000), vocab=VOCAB):
+    """(also run by tests/test_prefix_gpu.py on the GPU)"""
+    if hybrid:
+        assert 0.0 < cached.caches.state.f32_fraction() < 1.0  # a real f32 / bf16 split
+    budget = plain.scheduler.cfg.max_num_batched_tokens
     rng = random.Random(7)
-    for p in (1, 15, 16, 17, 63, 64, 65, 1000):
-        prompt = rand_tokens(rng, p + min(p, 16))
+    for p in depths:
+        prompt = [rng.randrange(vocab) for _ in range(p + min(p, 16))]
         one(cached, f"a{p}", prompt[:p], max_tokens=1)  # snapshot at the end of its prompt: depth p
         got = one(cached, f"b{p}", prompt, max_tokens=5)
         assert got.num_cached_tokens == p and got.metrics["num_prefill_tokens"] == len(prompt) - p
@@ -97,14 +101,15 @@ def test_restore_is_lossless_at_any_depth(make_engine, tau):
         plain.add_request(f"r{p}", prompt, SamplingParams(**GREEDY, max_tokens=5))
         plain.scheduler.cfg.max_num_batched_tokens = p
         plain.step()
-        plain.scheduler.cfg.max_num_batched_tokens = big["max_num_batched_tokens"]
+        plain.scheduler.cfg.max_num_batched_tokens = budget
         ref = run(plain, {})[f"r{p}"]
         assert ref.num_cached_tokens == 0
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
         a, b = logits_of(cached, f"b{p}"), logits_of(plain, f"r{p}")
         assert a.keys() == b.keys() and len(a) == 5
         for k in a:
-            assert torch.equal(a[k], b[k]), (p, k)
+            assert torch.equal(a[k].view(torch.int16 if a[k].dtype == torch.bfloat16 else torch.int32),
+                               b[k].view(torch.int16 if b[k].dtype == torch.bfloat16 else torch.int32)), (p, k)
 
 
 # ---- caching on vs off ------------------------------------------------------------------------------
