@@ -593,7 +593,7 @@ class Scheduler:
         """Keep a finished sequence's state (prompt + output fed so far) and KV in the prefix tree;
         its slot is read at the start of the next step, before anyone reuses it."""
         toks = seq.token_ids[:seq.num_computed]
-        if self.prefix.has_snapshot(toks):
+        if len(seq.blocks) * self.cfg.block_size < len(toks) or self.prefix.has_snapshot(toks):
             return
         snap = self.prefix.alloc_snapshot()
         if snap is None:
