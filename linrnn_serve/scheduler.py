@@ -24,7 +24,9 @@ each sample is an independent sequence (preempted alone, recomputed alone).
 Prefix caching (optional, cache/prefix_cache.py): at admission a sequence looks up its tokens (all
 but the last, whose logits it needs) in the radix tree; if a state snapshot sits at depth q on its
 path it restores it (`StepPlan.snapshot_restores`, instead of a reset), shares the KV blocks of
-[0, q) (the partly filled last one is copied on first write) and prefills from q. If the path goes
+[0, q) (the partly filled last one is copied on first write) and prefills from q. If a snapshot
+with logits sits at its full length, nothing is prefilled: its first token is drawn from the
+stored logits (`StepPlan.cached`). If the path goes
 on to p > q, its first chunk ends exactly at p and the state there is snapshotted (a divergence
 point). Every prefill that reaches the end of a sequence's tokens (a prompt, a recompute) and every
 sequence that finishes (stop / length) snapshots too. Requests that ask for prompt logprobs compute
@@ -46,7 +48,7 @@ from typing import Callable, Protocol
 from linrnn_serve.cache.allocator import BlockAllocator, SlotAllocator
 from linrnn_serve.cache.prefix_cache import PrefixCache, PrefixMatch
 from linrnn_serve.runner.plan import (
-    DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult, sample_seed, uniform_for,
+    CachedSampleRow, DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult, sample_seed, uniform_for,
 )
 from linrnn_serve.sampling_params import SamplingParams
 
@@ -298,7 +300,7 @@ class Scheduler:
             m = self._lookup(seq)
             q = seq.num_computed = m.cached
             seq.divergence_at = m.matched if m.matched > q else None
-            n = min(len(seq.token_ids) - q, budget, self._chunk_cap(seq))
+            n = min(len(seq.token_ids) - q, budget, self._chunk_cap(seq))  # 0: a full hit
             # new blocks past the shared ones + a copy of the partly valid last shared block
             need = max(0, -(-(q + n) // bs) - len(m.blocks)) + (1 if q % bs else 0)
             reserve = self._watermark_blocks if self.running else 0
@@ -326,7 +328,7 @@ class Scheduler:
                 plan.block_table_updates.append((seq.slot, 0, list(seq.blocks)))
             else:
                 plan.reset_slots.append(seq.slot)
-            if not self._reserve(seq, n, plan, scheduled):
+            if n and not self._reserve(seq, n, plan, scheduled):
                 raise RuntimeError("admission reserved blocks it had counted as free")
             if not seq.group.admitted:
                 seq.group.admitted = True
@@ -339,7 +341,11 @@ class Scheduler:
             else:
                 self.stats.recomputed_tokens += len(seq.token_ids) - q
             scheduled.add(seq.seq_id)
-            plan.prefill.append(self._prefill_row(seq, n, plan))
+            if n:
+                plan.prefill.append(self._prefill_row(seq, n, plan))
+            else:
+                plan.cached.append(CachedSampleRow(m.node.snapshot, [self._sampling_row(seq)] +
+                                                   self._fork_children(seq, plan)))
             budget -= n
         return plan
 
@@ -351,15 +357,19 @@ class Scheduler:
         if self.prefix is None or (req.prompt_logprobs is not None and seq.index == 0
                                    and len(req.prompt_logprobs) < req.prompt_len):
             return PrefixMatch()
+        full = self.prefix.match(seq.token_ids, len(seq.token_ids))
+        if full.cached == len(seq.token_ids) and full.node.logits:
+            return full
         return self.prefix.match(seq.token_ids, len(seq.token_ids) - 1)
 
-    def _snapshot_after(self, seq: Sequence, depth: int, plan: StepPlan) -> None:
-        """Snapshot seq's state after `depth` tokens once this step's forward has run."""
+    def _snapshot_after(self, seq: Sequence, row: PrefillRow, plan: StepPlan) -> None:
+        """Snapshot the state (and last logits) at the end of `row` once this step's forward has run."""
+        depth = row.start_pos + len(row.token_ids)
         if self.prefix.has_snapshot(seq.token_ids[:depth]):
             return
         snap = self.prefix.alloc_snapshot()
         if snap is not None:
-            plan.snapshot_saves.append((seq.slot, snap))
+            row.snapshot = snap
             plan.snapshot_inserts.append((seq.seq_id, depth, snap))
 
     @staticmethod
@@ -445,12 +455,10 @@ class Scheduler:
         self.stats.prefill_tokens += n
         if self.prefix is not None:
             end = start + n
+            if end == len(seq.token_ids) or end == seq.divergence_at:
+                self._snapshot_after(seq, row, plan)
             if seq.divergence_at is not None and end >= seq.divergence_at:
-                if end == seq.divergence_at and end < len(seq.token_ids):
-                    self._snapshot_after(seq, end, plan)
                 seq.divergence_at = None
-            if end == len(seq.token_ids):
-                self._snapshot_after(seq, end, plan)
         if req.prompt_logprobs is not None and seq.index == 0 and len(req.prompt_logprobs) < req.prompt_len:
             done = len(req.prompt_logprobs)  # entries for prompt positions [0, done)
             nxt = [seq.token_ids[p + 1] if done <= p + 1 < seq.prompt_len else None for p in range(start, start + n)]
@@ -458,18 +466,24 @@ class Scheduler:
                 row.prompt_logprobs, row.next_token_ids = req.params.prompt_logprobs, nxt
         if start + n == len(seq.token_ids):
             row.samples.append(self._sampling_row(seq))
-            for c in seq.pending_children:  # fork the n > 1 samples off the finished prompt
-                c.blocks = list(seq.blocks)
-                for b in c.blocks:
-                    self.blocks.share(b)
-                c.num_computed = len(seq.token_ids)
-                c.status = SeqStatus.RUNNING
-                bisect.insort(self.running, c, key=lambda s: s.priority)
-                plan.slot_copies.append((seq.slot, c.slot))
-                plan.block_table_updates.append((c.slot, 0, list(c.blocks)))
-                row.samples.append(self._sampling_row(c))
-            seq.pending_children = []
+            row.samples += self._fork_children(seq, plan)
         return row
+
+    def _fork_children(self, seq: Sequence, plan: StepPlan) -> list[SamplingRow]:
+        """Fork the n > 1 samples off a sequence whose prompt is done (state copied after the forward)."""
+        rows = []
+        for c in seq.pending_children:
+            c.blocks = list(seq.blocks)
+            for b in c.blocks:
+                self.blocks.share(b)
+            c.num_computed = len(seq.token_ids)
+            c.status = SeqStatus.RUNNING
+            bisect.insort(self.running, c, key=lambda s: s.priority)
+            plan.slot_copies.append((seq.slot, c.slot))
+            plan.block_table_updates.append((c.slot, 0, list(c.blocks)))
+            rows.append(self._sampling_row(c))
+        seq.pending_children = []
+        return rows
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.group.params
@@ -498,7 +512,7 @@ class Scheduler:
         for seq_id, depth, snap in plan.snapshot_inserts:  # the forward has written these snapshots
             seq = self.seqs.get(seq_id)
             ok = seq is not None and not seq.finished and len(seq.blocks) * self.cfg.block_size >= depth
-            if not (ok and self.prefix.insert(seq.token_ids[:depth], seq.blocks, snap)):
+            if not (ok and self.prefix.insert(seq.token_ids[:depth], seq.blocks, snap, logits=True)):
                 self.prefix.snapshots.free(snap)
         for row in plan.decode:
             seq = self.seqs.get(row.sampling.seq_id)
@@ -515,6 +529,11 @@ class Scheduler:
             if plp and seq.group.prompt_logprobs is not None:
                 seq.group.prompt_logprobs.extend(plp)
                 touched[seq.group.request_id] = seq.group
+            for s in row.samples:
+                child = self.seqs.get(s.seq_id)
+                if child is not None and not child.finished:
+                    sampled.append(child)
+        for row in plan.cached:
             for s in row.samples:
                 child = self.seqs.get(s.seq_id)
                 if child is not None and not child.finished:

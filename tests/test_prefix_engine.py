@@ -219,14 +219,30 @@ def test_granularity_any_depth(make_engine):
     full = P + out
     for p in range(1, len(full) + 1):
         other = [t for t in range(VOCAB) if p >= len(full) or t != full[p]]
-        for k in range(3):  # the first ones create the divergence snapshot at p (if not there yet)
-            tail = [rng.choice(other)] + rand_tokens(rng, rng.randint(0, 5))
+        for k in range(4):  # the first ones create the divergence snapshot at p (if not there yet)
+            # k = 3: the prompt ends exactly at p (its first token comes from the snapshot's logits)
+            tail = [rng.choice(other)] + rand_tokens(rng, rng.randint(0, 5)) if k < 3 else []
             o = one(eng, f"g{p}.{k}", full[:p] + tail, max_tokens=1)
             n = o.metrics["num_prefill_tokens"]
             if k >= 1:  # the acceptance bound
                 assert n <= 16 + len(tail), (p, k, n)
-            if k == 2:  # what we do: only the new part
-                assert n == len(tail) and o.num_cached_tokens == p, (p, n)
+            if k >= 2:  # what we do: only the new part
+                assert n == len(tail) and o.num_cached_tokens == p, (p, k, n)
+
+
+def test_full_prompt_hit_samples_from_stored_logits(make_engine):
+    """A prompt that is exactly a cached prompt runs no prefill: its first token comes from the
+    snapshot's stored logits, and the whole output (greedy, seeded, n > 1) and every logits row are
+    bit-identical to the first run's."""
+    eng = make_engine(enable_prefix_caching=True)
+    prompt = rand_tokens(random.Random(5), 37)
+    for kw in (dict(max_tokens=6), dict(max_tokens=6, temperature=0.9, seed=3, n=3, ignore_eos=True)):
+        a = one(eng, "x" + str(len(kw)), prompt, **kw)
+        b = one(eng, "y" + str(len(kw)), prompt, **kw)
+        assert b.metrics["num_prefill_tokens"] == 0 and b.num_cached_tokens == len(prompt)
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        la, lb = logits_of(eng, "x" + str(len(kw))), logits_of(eng, "y" + str(len(kw)))
+        assert la.keys() == lb.keys() and all(torch.equal(la[k], lb[k]) for k in la)
 
 
 # ---- no leaks -----------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ that padded CUDA-graph rows write to. KV blocks get what is left (vLLM's rule):
                 max_model_len tokens could ever use.
 
 With prefix caching, `prefix_snapshot_fraction` of kv_bytes goes to the snapshot pool instead
-(snapshots of the same size as a state slot; LRU-evicted in cache/prefix_cache.py) and KV gets
+(each a state slot's bytes + one logits row; LRU-evicted in cache/prefix_cache.py) and KV gets
 the rest; `num_prefix_snapshots` overrides the count.
 
 On the CPU the budget is a fixed `CPU_KV_BYTES`. `EngineConfig.num_kv_blocks` overrides all of it.
@@ -65,9 +65,11 @@ class CacheBudget:
     def kv_tokens(self) -> int:
         return (self.num_kv_blocks - 1) * self.block_size
 
+    snapshot_bytes_each: int = 0  # a state slot + a logits row
+
     @property
     def snapshot_bytes(self) -> int:
-        return self.num_snapshots * self.state_bytes_per_seq
+        return self.num_snapshots * self.snapshot_bytes_each
 
     def describe(self) -> str:
         snaps = (f"; {self.num_snapshots - 1} prefix snapshots ({self.snapshot_bytes / GiB:.3f} GiB)"
@@ -120,6 +122,7 @@ def compute_budget(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.d
                       gpu_memory_utilization=gpu_memory_utilization, bf16_heads=bf16_heads,
                       num_kv_blocks=num_kv_blocks, activation_peak=activation_peak,
                       max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager, mem_info=mem_info)
+    out.snapshot_bytes_each = out.state_bytes_per_seq + cfg.vocab_size * _elt(act_dtype)
     if num_prefix_snapshots is not None:
         if num_prefix_snapshots < 1:
             raise CacheBudgetError(f"num_prefix_snapshots must be >= 1, got {num_prefix_snapshots}")
@@ -128,15 +131,15 @@ def compute_budget(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.d
         if not 0.0 < prefix_snapshot_fraction < 1.0:
             raise CacheBudgetError(f"prefix_snapshot_fraction must be in (0, 1), got {prefix_snapshot_fraction}")
         avail = out.cache_bytes if num_kv_blocks is None else out.kv_bytes
-        want = int(avail * prefix_snapshot_fraction) // max(out.state_bytes_per_seq, 1)
+        want = int(avail * prefix_snapshot_fraction) // out.snapshot_bytes_each
         if want < 1:
             raise CacheBudgetError(
                 f"prefix_snapshot_fraction {prefix_snapshot_fraction} of {avail / MiB:.1f} MiB of cache "
-                f"memory does not hold one {out.state_bytes_per_seq / MiB:.1f} MiB state snapshot; raise it or "
+                f"memory does not hold one {out.snapshot_bytes_each / MiB:.1f} MiB state snapshot; raise it or "
                 f"gpu_memory_utilization")
         if num_kv_blocks is None:  # the snapshots' bytes come out of the KV share
             cap = max_useful_blocks(max_num_seqs, max_model_len, block_size)
-            kv_left = avail - want * out.state_bytes_per_seq
+            kv_left = avail - want * out.snapshot_bytes_each
             out.num_kv_blocks = max(2, min(cap, kv_left // max(out.kv_bytes_per_block, 1) + 1))
         out.num_snapshots = want + 1
         out.source += f", {prefix_snapshot_fraction:.2f} of it to prefix snapshots"

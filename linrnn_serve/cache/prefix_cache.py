@@ -21,7 +21,10 @@ Tree invariants
   the path's tokens [j * bs, min((j + 1) * bs, depth)); positions past that are another path's (or
   garbage) and are never read by a sequence whose context ends before them. A sequence sharing a
   partly valid block writes into it only after copy-on-write (scheduler: refcount > 1).
-- `snapshot` is a slot of the snapshot pool holding the state after exactly `depth` tokens.
+- `snapshot` is a slot of the snapshot pool holding the state after exactly `depth` tokens;
+  `logits` says whether the slot's logits row (the prediction after those tokens) is kept too (it is
+  for snapshots taken at the end of a prefill chunk), so a prompt that ends exactly there needs no
+  forward at all.
 - `lock` counts running sequences that restored from this node (or its descendants): a locked node
   and its snapshot are never evicted.
 - Eviction is LRU over unlocked nodes holding a snapshot: a leaf goes with its KV blocks (and any
@@ -41,13 +44,14 @@ from linrnn_serve.cache.allocator import BlockAllocator, SlotAllocator
 
 
 class Node:
-    __slots__ = ("parent", "tokens", "depth", "children", "blocks", "snapshot", "lock", "last_access")
+    __slots__ = ("parent", "tokens", "depth", "children", "blocks", "snapshot", "logits", "lock", "last_access")
 
     def __init__(self, parent: "Node | None", tokens: tuple[int, ...], depth: int):
         self.parent, self.tokens, self.depth = parent, tokens, depth
         self.children: dict[int, Node] = {}
         self.blocks: dict[int, int] = {}
         self.snapshot: int | None = None
+        self.logits = False  # the snapshot slot also holds the logits of token depth-1
         self.lock = 0
         self.last_access = 0
 
@@ -141,7 +145,7 @@ class PrefixCache:
             node.lock -= 1
 
     # ---- inserts -----------------------------------------------------------------------------------
-    def insert(self, tokens, blocks: list[int], snapshot: int) -> bool:
+    def insert(self, tokens, blocks: list[int], snapshot: int, logits: bool = False) -> bool:
         """Attach `snapshot` (state after all of `tokens`) to the node at depth len(tokens), creating
         or splitting nodes; KV of the new part comes from `blocks` (a sequence's block table, shared).
         False (nothing changed, the caller frees `snapshot`) if that node already has a snapshot."""
@@ -172,7 +176,7 @@ class PrefixCache:
         if node.snapshot is not None:
             node.last_access = next(self._clock)
             return False
-        node.snapshot = snapshot
+        node.snapshot, node.logits = snapshot, logits
         node.last_access = next(self._clock)
         self.stats.snapshots_taken += 1
         return True
@@ -224,7 +228,7 @@ class PrefixCache:
         if best is None:
             return False
         self.snapshots.free(best.snapshot)
-        best.snapshot = None
+        best.snapshot, best.logits = None, False
         self.stats.snapshots_evicted += 1
         n = best
         while n is not self.root and not n.children and n.snapshot is None and not n.lock:

@@ -121,9 +121,12 @@ class LLMEngine:
             num_prefix_snapshots=config.num_prefix_snapshots if config.enable_prefix_caching else None)
         state = HybridStateCache(cfg, self.budget.num_state_slots, self.dtype, self.device, bf16_heads)
         kv = PagedKVCache(cfg, self.budget.num_kv_blocks, config.block_size, self.dtype, self.device)
-        snapshots = HybridStateCache(cfg, self.budget.num_snapshots, self.dtype, self.device, bf16_heads) \
-            if config.enable_prefix_caching else None
-        self.caches = ModelCaches(state, kv, snapshots)
+        snapshots = snapshot_logits = None
+        if config.enable_prefix_caching:
+            snapshots = HybridStateCache(cfg, self.budget.num_snapshots, self.dtype, self.device, bf16_heads)
+            snapshot_logits = torch.zeros(self.budget.num_snapshots, cfg.vocab_size, dtype=self.dtype,
+                                          device=self.device)
+        self.caches = ModelCaches(state, kv, snapshots, snapshot_logits)
         self.runner = ModelRunner(self.model, self.caches, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=config.block_size,
                                   enforce_eager=config.enforce_eager, progress=progress)

@@ -9,8 +9,9 @@ Per step (runner/plan.py):
      parameters cross the bus;
   3. prefill: the chunks in one eager varlen forward; logits only for the rows that sample and for
      prompt-logprob positions (batch.logits_indices);
-  4. n > 1 forks copy the prompt's recurrent state to the samples' slots; prefix-cache snapshots
-     of states this forward produced (prompt ends, divergence points) are saved;
+  4. prefix-cache snapshots of states this forward produced (prompt ends, divergence points) are
+     saved with their last token's logits; sequences whose whole prompt was such a snapshot sample
+     from the stored logits; n > 1 forks copy the prompt's recurrent state to the samples' slots;
   5. one host transfer of the sampled ids (the only sync of a step).
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ from linrnn_serve.cache import ModelCaches
 from linrnn_serve.runner import sampler as S
 from linrnn_serve.runner.cuda_graphs import GraphSet, bucket_for, decode_buckets
 from linrnn_serve.runner.inputs import SeqWork, build_forward_batch
-from linrnn_serve.runner.plan import DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult
+from linrnn_serve.runner.plan import (
+    CachedSampleRow, DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +143,10 @@ class ModelRunner:
         result = StepResult()
         dec = self._run_decode(plan.decode) if plan.decode else None
         pre = self._run_prefill(plan.prefill, result) if plan.prefill else None
+        hit = self._run_cached(plan.cached) if plan.cached else None
         for src, dst in plan.slot_copies:
             self.caches.state.copy_slot(src, dst)
-        self._save_snapshots(plan.snapshot_saves)
-        for part in (dec, pre):
+        for part in (dec, pre, hit):
             if part is not None:
                 rows, ids, logits = part
                 self._collect(rows, ids, logits, result)
@@ -236,6 +239,18 @@ class ModelRunner:
                 pos = [j for j, t in enumerate(r.next_token_ids) if t is not None]
                 plp_rows.append((r, pos))
                 sel += [starts[i] + j for j in pos]
+        # snapshot rows' last-token logits: a sampled row's own (no extra logits row: the lm_head's
+        # result must not depend on it), else one more row
+        snaps, snap_rows, k = [], [], 0
+        for i, r in enumerate(rows):
+            if r.snapshot is not None:
+                snaps.append((r.slot, r.snapshot))
+                if r.samples:
+                    snap_rows.append(k)
+                else:
+                    snap_rows.append(len(sel))
+                    sel.append(starts[i] + len(r.token_ids) - 1)
+            k += len(r.samples)
         if not sel:  # a middle chunk: state and KV only
             sel = [cu - 1]
         batch.logits_indices = torch.tensor(sel, dtype=torch.long, device=self.device)
@@ -244,9 +259,23 @@ class ModelRunner:
         for r, pos in plp_rows:
             result.prompt_logprobs[r.seq_id] = self._prompt_logprobs(logits[k:k + len(pos)], r, pos)
             k += len(pos)
+        if snaps:  # the state after each chunk and its last token's logits
+            self._save_snapshots(snaps)
+            idx = torch.tensor([s for _, s in snaps], dtype=torch.long, device=self.device)
+            rows_idx = torch.tensor(snap_rows, dtype=torch.long, device=self.device)
+            self.caches.snapshot_logits.index_copy_(0, idx, logits.index_select(0, rows_idx).to(
+                self.caches.snapshot_logits.dtype))
         if not samp:
             return None
-        logits = logits[: len(samp)]
+        return self._sample(samp, logits[: len(samp)])
+
+    def _run_cached(self, rows: list[CachedSampleRow]):
+        """First tokens of fully cached prompts, from their snapshots' stored logits (no forward)."""
+        samp = [s for r in rows for s in r.samples]
+        idx = torch.tensor([r.snapshot for r in rows for _ in r.samples], dtype=torch.long, device=self.device)
+        return self._sample(samp, self.caches.snapshot_logits.index_select(0, idx))
+
+    def _sample(self, samp: list[SamplingRow], logits: torch.Tensor):
         t = S.SamplingTensors.from_rows(samp, self.device)
         any_random = not all(s.is_greedy for s in samp)
         x = S.apply_logit_edits(logits, samp) if S.needs_logit_edits(samp) else logits

@@ -93,12 +93,24 @@ class PrefillRow:
     # (None past the prompt's end)
     prompt_logprobs: int | None = None
     next_token_ids: list[int | None] | None = None
+    # prefix cache: snapshot slot that keeps the state after this chunk and its last token's logits
+    snapshot: int | None = None
+
+
+@dataclass
+class CachedSampleRow:
+    """A sequence whose whole prompt is a prefix-cache snapshot with logits: no forward; its first
+    token(s) (n > 1: one per sample) are drawn from the snapshot's stored logits row."""
+
+    snapshot: int
+    samples: list[SamplingRow] = field(default_factory=list)
 
 
 @dataclass
 class StepPlan:
     decode: list[DecodeRow] = field(default_factory=list)
     prefill: list[PrefillRow] = field(default_factory=list)
+    cached: list[CachedSampleRow] = field(default_factory=list)
     reset_slots: list[int] = field(default_factory=list)  # zero before the forward (fresh sequences)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # KV (src, dst) copy-on-write, before
     # slot -> the first `len(blocks)` entries of its block table, given from index `start`
@@ -108,18 +120,17 @@ class StepPlan:
     preempted: list[int] = field(default_factory=list)
     # prefix caching (cache/prefix_cache.py): state slot <-> snapshot slot copies. Order in a step:
     # saves_before (finished sequences' last state, read before their slots are reused), restores
-    # (snapshot -> a new sequence's slot, instead of a reset), the forward, saves (after the forward:
-    # prompt ends and divergence points)
+    # (snapshot -> a new sequence's slot, instead of a reset), the forward, then the prefill rows'
+    # own snapshots (PrefillRow.snapshot: prompt ends and divergence points, with logits)
     snapshot_saves_before: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
     snapshot_restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, state slot)
-    snapshot_saves: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
     # scheduler bookkeeping (not for the runner): (seq_id, depth, snapshot) to enter into the tree
     # once this step's forward has run
     snapshot_inserts: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.cached
 
     @property
     def num_tokens(self) -> int:
