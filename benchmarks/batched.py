@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from linrnn_bench.floor import ModelBytes, copy_bandwidth
+from linrnn_bench.plotting import pyplot
 
 # BENCH.md, "The peer to beat: vLLM 0.26.0 on one H200 (measured 2026-11-22)": Qwen3.5-35B-A3B shapes,
 # dummy weights, CUDA graphs, f32 SSM state, PP=128, TG=128; npl -> S_TG (t/s).
@@ -521,11 +522,10 @@ def markdown(report: dict, peer: bool) -> str:
 
 
 def plot(path: str, report: dict, peer: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
+    plt = pyplot(path)
+    if plt is None:
+        return
+    import matplotlib.ticker
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     peers_drawn = set()
