@@ -7,9 +7,10 @@ it on rank 0; every rank computes the same full logits (the lm_head all-gathers)
 same tokens; rank 0's StepResult is the step's result.
 
 Failure: a worker that raises reports the error and exits; a worker that is killed closes its
-sockets. Either way the survivors' collectives fail (gloo at once, NCCL within the group timeout),
-`execute` raises WorkerDiedError naming the rank and its exit status, and the engine loop stops
-(the server answers 503). A watcher thread notices a dead worker between steps too.
+sockets. A watcher thread notices (also between steps), and aborts an NCCL group so a collective in
+flight raises (gloo raises by itself when the peer's socket closes; the group timeout is the
+backstop); `execute` raises WorkerDiedError naming the rank and its exit status, and the engine
+loop stops (the server answers 503, then exits).
 """
 from __future__ import annotations
 
@@ -191,7 +192,21 @@ class MultiprocExecutor(Executor):
                         pass
                 self._dead = f"tensor-parallel rank {i + 1} exited with status {p.exitcode}{err}"
                 log.error("%s", self._dead)
+                self._abort_collectives()
                 return
+
+    def _abort_collectives(self) -> None:
+        """NCCL waits on a vanished peer until the group timeout: abort the group so a collective in
+        flight on rank 0 raises now (gloo already raises when the peer's socket closes)."""
+        if self.spec.backend != "nccl":
+            return
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        except Exception as e:  # noqa: BLE001 -- private API: the group timeout remains the backstop
+            log.warning("could not abort the NCCL group (%s); collectives end at the %d s timeout", e,
+                        GROUP_TIMEOUT_S)
 
     def _watch(self) -> None:
         """Notice a dead worker while the engine is idle (so health checks say so before a step)."""
