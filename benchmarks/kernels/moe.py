@@ -48,7 +48,8 @@ TOL = 1e-2
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     p.add_argument("--sets", type=int, default=3, help="independent weight/input sets rotated through")
-    p.add_argument("--variants", default="nvfp4/asm,nvfp4/triton,fp8,bf16/ours,bf16/grouped_mm,nvfp4/dequant")
+    p.add_argument("--variants", default="nvfp4/mma,nvfp4/asm,bf16/ours,bf16/grouped_mm,fp8,nvfp4/triton,"
+                                          "nvfp4/dequant")
     p.add_argument("--out", default=None, help="directory for moe_<gpu>.md / .json")
     p.add_argument("--sweep", action="store_true", help="also sweep gate_up / down configs (nvfp4/asm)")
     p.add_argument("--no-graph", action="store_true", help="time eager calls instead of graph replays")
@@ -129,12 +130,29 @@ def ours(logits, x, top_k, w13, w2, path=None):
     return experts.moe_experts(x, topw.to(x.dtype), ids, w13, w2, nvfp4_path=path)
 
 
+_PACKED: dict = {}
+
+
+def with_packed(w13: WeightTensor, w2: WeightTensor):
+    """The weights plus their MMA-fragment repack (done once per set, as the loader does)."""
+    from linrnn_kernels.moe import nvfp4_layout
+
+    out = []
+    for w, gated in ((w13, True), (w2, False)):
+        key = w.data.data_ptr()
+        if key not in _PACKED:
+            _PACKED[key] = nvfp4_layout.pack(w.data, w.block_scale, w.row_scale, gated)
+        out.append(w._replace(packed=_PACKED[key]))
+    return out
+
+
 def dequant_then_peer(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     return peer_grouped_mm(logits, x, top_k, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16))
 
 
 VARIANTS = {
     # name: (weight format, callable(logits, x, k, w13, w2))
+    "nvfp4/mma": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, *with_packed(a, b), "mma")),
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),
@@ -193,28 +211,33 @@ def graphed(fn, cuda: bool):
 
 # ---------------------------------------------------------------------------------- reporting
 
-def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict) -> str:
+def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict, ipw: dict | None = None) -> str:
     lines = [f"# MoE layer benchmark: E={rows[0]['E']}, top-{rows[0]['k']}, H={rows[0]['H']}, I={rows[0]['I']}",
              "", f"{info.get('gpu', 'cpu')} · torch {info['torch']} · triton {info.get('triton')} · "
              f"commit {info.get('commit', '?')[:12]} · {info['date']}", "",
              f"Copy bandwidth (same run): {copy_gbs:.0f} GB/s. Times: median us per layer call "
-             f"(router logits -> output), {rows[0]['timing']}; GB/s and % copy from the bytes that must move.",
-             "", "| B | experts hit | " + " | ".join(f"{v} us" for v in variants)
-             + " | nvfp4/asm GB/s | % copy | x vs bf16/grouped_mm | x vs bf16/ours |",
-             "|---:|---:|" + "---:|" * len(variants) + "---:|---:|---:|---:|"]
+             f"(router logits -> output), {rows[0]['timing']}; GB/s and % copy from the bytes that must move."]
+    if ipw:
+        lines += ["", "nvfp4/mma K loop, SASS instructions per weight (sm_90 compile, per GEMM and split): "
+                  + "; ".join(f"{k}: {v:.2f}" for k, v in ipw.items())]
+    pct_of = [v for v in ("nvfp4/mma", "nvfp4/asm", "bf16/ours") if v in variants]
+    lines += ["", "| B | experts hit | " + " | ".join(f"{v} us" for v in variants)
+              + "".join(f" | {v} % copy" for v in pct_of)
+              + " | mma x vs asm | mma x vs bf16/ours |",
+              "|---:|---:|" + "---:|" * (len(variants) + len(pct_of)) + "---:|---:|"]
     for r in rows:
         cells = []
         for v in variants:
             t = r["us"].get(v)
             cells.append(f"{t:.1f}" if isinstance(t, float) else str(t))
-        main = r["us"].get("nvfp4/asm")
-        gbs = r["gbs"].get("nvfp4/asm")
-        pct = f"{100 * gbs / copy_gbs:.0f} %" if gbs else "-"
-        vs = [f"{r['us'][p] / main:.2f}x" if isinstance(main, float) and isinstance(r["us"].get(p), float)
-              else "-" for p in ("bf16/grouped_mm", "bf16/ours")]
-        lines.append(f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells)
-                     + f" | {gbs:.0f} | {pct} | {vs[0]} | {vs[1]} |" if gbs else
-                     f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells) + " | - | - | - | - |")
+        for v in pct_of:
+            gbs = r["gbs"].get(v)
+            cells.append(f"{100 * gbs / copy_gbs:.0f} %" if gbs else "-")
+        main = r["us"].get("nvfp4/mma")
+        for p in ("nvfp4/asm", "bf16/ours"):
+            other = r["us"].get(p)
+            cells.append(f"{other / main:.2f}x" if isinstance(main, float) and isinstance(other, float) else "-")
+        lines.append(f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells) + " |")
     notes = sorted({n for r in rows for n in r.get("notes", [])})
     if notes:
         lines += ["", "Timed eagerly (no CUDA graph): " + "; ".join(notes)]
@@ -310,7 +333,7 @@ def run(args) -> int:
         print("torch._grouped_mm is missing: skipping the grouped_mm peer and dequant baseline")
         variants = [v for v in variants if v not in ("bf16/grouped_mm", "nvfp4/dequant")]
     if not cuda:
-        variants = [v for v in variants if v not in ("nvfp4/asm", "nvfp4/w4a4")]  # GPU-only paths
+        variants = [v for v in variants if v not in ("nvfp4/mma", "nvfp4/asm", "nvfp4/w4a4")]  # GPU-only paths
     elif torch.cuda.get_device_capability()[0] >= 10 and "nvfp4/w4a4" not in variants:
         variants.insert(1, "nvfp4/w4a4")  # FP4 tensor cores: time the (untested) W4A4 path too
     fmts = {VARIANTS[v][0] for v in variants}
@@ -366,7 +389,16 @@ def run(args) -> int:
         rows.append(row)
         print(json.dumps({kk: vv for kk, vv in row.items() if kk != "sweep"}, default=str), flush=True)
 
-    table = markdown(rows, variants, copy_gbs, info)
+    ipw = None
+    if "nvfp4/mma" in variants:
+        try:
+            from linrnn_kernels.moe import nvfp4_mma
+
+            ipw = {f"{'gate_up' if g else 'down'} split {sp}": nvfp4_mma.k_loop_stats(gated=g, split=sp)["per_weight"]
+                   for g, sp in ((True, 1), (True, 2), (False, 1), (False, 2))}
+        except Exception as e:  # the table still stands without it
+            print(f"instruction count unavailable: {type(e).__name__}: {e}")
+    table = markdown(rows, variants, copy_gbs, info, ipw)
     if args.sweep:
         table += "\n## Config sweep (nvfp4, per GEMM, median us)\n\n"
         table += "| B | block_m | default | best gate_up | best down |\n|---:|---:|---|---|---|\n"
@@ -385,7 +417,7 @@ def run(args) -> int:
         with open(os.path.join(args.out, f"moe_{tag}.json"), "w") as f:
             json.dump({"env": info, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1, default=str)
         print(f"wrote {args.out}/moe_{tag}.md and .json")
-    ours_variants = [v for v in variants if v in ("nvfp4/asm", "nvfp4/triton", "fp8", "bf16/ours")]
+    ours_variants = [v for v in variants if v in ("nvfp4/mma", "nvfp4/asm", "nvfp4/triton", "fp8", "bf16/ours")]
     failed = [(r["B"], v) for r in rows for v in ours_variants if not isinstance(r["us"].get(v), float)]
     if failed:
         print(f"our kernels failed or were not timed at (B, variant): {failed}")

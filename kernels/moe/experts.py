@@ -9,8 +9,14 @@ from __future__ import annotations
 import torch
 
 from linrnn_kernels.moe import grouped_gemm as gg
+from linrnn_kernels.moe import nvfp4_mma
 from linrnn_kernels.moe.align import moe_align_block_size
 from linrnn_kernels.quant import WeightTensor
+
+# Above this mean number of (token, expert) pairs per expert the 8-token MMA-fragment kernel would
+# decode every weight tile once per 8 tokens: large batches (prefill) use the dequantize-in-tile
+# grouped GEMM with wide row blocks instead
+MMA_MAX_MEAN_PAIRS = 16
 
 # Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
 # (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
@@ -67,6 +73,9 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
         return out
     x = x.contiguous()
     P = T * top_k
+    if (configs is None and nvfp4_path in (None, "mma") and w13.packed is not None and w2.packed is not None
+            and P <= MMA_MAX_MEAN_PAIRS * E and x.dtype == torch.bfloat16 and nvfp4_mma.available(x.device)):
+        return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out)
     cfg13, cfg2 = configs or moe_configs(T, top_k, E, inter, H, w13.fmt, w2.fmt, x.device)
     if cfg13.block_m != cfg2.block_m:
         raise ValueError(f"gate_up and down configs must share block_m ({cfg13.block_m} != {cfg2.block_m})")
@@ -87,5 +96,40 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     part = gg.alloc(cfg2.split_k, P, H, dtype=torch.float32, device=x.device)
     route_w = topk_weights.reshape(-1).contiguous()
     gg.launch_gemm(h, w2, part, cfg2, n=H, k=inter, route_weights=route_w, **common)
+    gg.sum_reduce(part, out, group=top_k)
+    return out
+
+
+def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
+                    out: torch.Tensor | None = None, splits: tuple[int, int] | None = None):
+    """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
+    w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py).
+    Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
+    in natural k order."""
+    T, H = x.shape
+    top_k = topk_ids.shape[1]
+    E = p13.codes.shape[0]
+    inter = p13.n // 2
+    if out is None:
+        out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
+    P = T * top_k
+    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, nvfp4_mma.TOKENS)
+    blocks = expert_ids.numel()
+    active = min(E, P)
+    sms = nvfp4_mma.num_sms(x.device)
+    if splits is None:
+        splits = (nvfp4_mma.split_k(p13.codes.shape[2], active * nvfp4_mma.programs_per_block(p13), sms),
+                  nvfp4_mma.split_k(p2.codes.shape[2], active * nvfp4_mma.programs_per_block(p2), sms))
+    s13, s2 = splits
+    common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids)
+    h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
+    if s13 == 1:
+        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, **common)
+    else:
+        ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device)
+        nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, **common)
+        gg.silu_mul_reduce(ws, h)
+    part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
+    nvfp4_mma.launch(h, p2, part, route_weights=topk_weights.reshape(-1).contiguous(), split=s2, **common)
     gg.sum_reduce(part, out, group=top_k)
     return out

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# NVFP4 MoE decode kernel (issue #13), one device call: the GPU tests of the MMA-fragment path
+# (tests/test_nvfp4_mma.py -m gpu), then the `moe` benchmark (old kernel, new kernel and bf16 in one
+# run, copy bandwidth measured in the same run, instructions/weight from the sm_90 compile).
+# Pass the real commit: LINRNN_COMMIT=<sha> bash tools/gpu_moe.sh. Results under $OUT/moe.
+. tools/device_env.sh >/dev/null
+OUT=${OUT:-/tmp/out}
+mkdir -p $OUT/moe
+timeout ${T_TESTS:-240} python3 -m pytest -q -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider \
+  --junitxml=$OUT/moe/test_nvfp4_mma_gpu.xml 2>&1 | grep -vE "leaked|nanobind|^ - " | tail -15
+timeout ${T_BENCH:-300} python3 -m linrnn_bench.kernels.moe --variants ${VARIANTS:-nvfp4/mma,nvfp4/asm,bf16/ours} \
+  --sets 3 --out $OUT/moe 2>&1 | grep -vE "leaked|nanobind|^ - |Warning|warn" | tail -20
