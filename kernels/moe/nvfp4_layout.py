@@ -163,11 +163,9 @@ def pack(packed: torch.Tensor, block_scale: torch.Tensor, row_scale: torch.Tenso
     # codes [E, T, r8, g, U, cb, t, h, j] -> words
     c = _tile_rows(codes, gated).reshape(E, T, 2, 8, U, 2, 4, 4, 2).long()  # (.., e = 2j + h) -> (j, h)
     mag, sign = c & 7, c >> 3
-    j = torch.arange(4).view(4, 1)
-    h = torch.arange(2).view(1, 2)
-    word = ((mag << (16 * h + torch.tensor(MAG_SHIFT).view(4, 1)))
-            | (sign << (16 * h + torch.tensor(SIGN_BIT).view(4, 1)))).sum(dim=(-1, -2))
-    del j
+    h = torch.arange(2, device=c.device).view(1, 2)
+    word = ((mag << (16 * h + torch.tensor(MAG_SHIFT, device=c.device).view(4, 1)))
+            | (sign << (16 * h + torch.tensor(SIGN_BIT, device=c.device).view(4, 1)))).sum(dim=(-1, -2))
     word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)  # [E, T, r8, g, U, cb, t]
     words = word.permute(0, 1, 4, 3, 6, 5, 2).reshape(E, T, U, 128)  # lane = 4g + t, wi = 2cb + r8
     s = _tile_rows(enc, gated).reshape(E, T, 2, 8, U, 2, 2)  # [E, T, r8, g, U, cb, th]
@@ -181,12 +179,10 @@ def unpack(p: PackedNvfp4):
     the original tensors bit for bit, except that codes of zero-scale blocks come back as 0."""
     E, T, U, _ = p.codes.shape
     w = p.codes.reshape(E, T, U, 8, 4, 2, 2).permute(0, 1, 6, 3, 2, 5, 4).long() & 0xFFFFFFFF  # [E,T,r8,g,U,cb,t]
-    j = torch.arange(4).view(4, 1)
-    h = torch.arange(2).view(1, 2)
+    h = torch.arange(2, device=w.device).view(1, 2)
     w = w[..., None, None]
-    mag = (w >> (16 * h + torch.tensor(MAG_SHIFT).view(4, 1))) & 7
-    sign = (w >> (16 * h + torch.tensor(SIGN_BIT).view(4, 1))) & 1
-    del j
+    mag = (w >> (16 * h + torch.tensor(MAG_SHIFT, device=w.device).view(4, 1))) & 7
+    sign = (w >> (16 * h + torch.tensor(SIGN_BIT, device=w.device).view(4, 1))) & 1
     c = (mag | sign << 3).reshape(E, T, 2, 8, U * 64)  # (j, h) -> e = 2j + h
     codes = _unpad_rows(_untile_rows(c, p.gated), p.n, p.gated)[..., :p.k].to(torch.uint8)
     s = p.scales.reshape(E, T, U, 8, 2, 2, 2).permute(0, 1, 6, 3, 2, 5, 4).reshape(E, T, 2, 8, U * 4)

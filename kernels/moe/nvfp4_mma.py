@@ -146,8 +146,9 @@ if HAVE_GLUON:
             o0, o1, o2, o3 = gl.inline_asm_elementwise(
                 DECODE, CONSTRAINTS, [q, s8],
                 dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
+            # join appends its new dim last: [.., p, q] holds out_{2p + q}
             # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]
-            wts = gl.join(gl.join(o0, o1), gl.join(o2, o3))
+            wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
             wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
             wts = gl.permute(wts, [0, 5, 2, 1, 4, 3, 7, 8, 6])  # row = (w, r8, g); k = (u, cb, t, p, q, h)
             wts = gl.reshape(wts, [ROWS, BK])
