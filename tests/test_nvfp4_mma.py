@@ -246,3 +246,30 @@ def test_mma_dispatch_selected_on_hopper():
     topw, ids = naive.route(torch.randn(4, E, device="cuda"), k, True)
     y = experts.moe_experts(x, topw.bfloat16(), ids, w13, w2)
     assert torch.equal(y, experts.moe_experts_mma(x, topw.bfloat16(), ids, w13.packed, w2.packed))
+
+
+def test_loader_repacks_nvfp4_experts():
+    """Experts.repack_for_kernels (called by the loader after every row is in) builds the MMA layout
+    of both expert tensors from the loaded ones; WeightTensor.packed carries it to the kernels."""
+    from types import SimpleNamespace
+
+    from linrnn_serve.layers.moe import Experts
+    from linrnn_serve.layers.quant import Nvfp4Weights
+
+    cfg = SimpleNamespace(num_experts=3, moe_intermediate_size=48, hidden_size=80)  # K pads to 64 and 128
+    ex = Experts(cfg, torch.bfloat16, Nvfp4Weights.for_layout("modelopt"))
+    gen = torch.Generator().manual_seed(5)
+    for w in (ex.w13, ex.w2):
+        p, bs, rs = _random_nvfp4(3, w.n, w.k, gen, zero_frac=0.0)
+        w.packed.data.copy_(p), w.block_scale.data.copy_(bs), w.row_scale.data.copy_(rs)
+    ex.repack_for_kernels("model.layers.0.mlp.experts")
+    assert ex.w13.weight_tensor().packed is None  # no MMA kernel on this machine: nothing built
+    ex.repack_for_kernels("model.layers.0.mlp.experts", force=True)
+    for w, gated in ((ex.w13, True), (ex.w2, False)):
+        wt = w.weight_tensor()
+        assert wt.packed.gated == gated
+        up, ubs, urs = lay.unpack(wt.packed)
+        assert torch.equal(up, w.packed) and torch.equal(ubs.view(torch.uint8), w.block_scale.view(torch.uint8))
+    ex.w2.block_scale.data[1, 2, 2] = -1.0
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts.w2 .down_proj.*negative or NaN"):
+        ex.repack_for_kernels("model.layers.0.mlp.experts", force=True)

@@ -199,14 +199,17 @@ if HAVE_GLUON:
 
 
 def available(device=None) -> bool:
-    """Whether the MMA-fragment NVFP4 path can run: Gluon importable, a CUDA device of compute
-    capability 8.x / 9.x, not the interpreter, not disabled by LINRNN_NVFP4_GEMM."""
+    """Whether the MMA-fragment NVFP4 path can run: Gluon importable, a Hopper (sm_90) CUDA device
+    (the only one it is tested on), not the interpreter, not disabled by LINRNN_NVFP4_GEMM
+    (auto / mma select it; asm / triton / dot_scaled force the grouped_gemm.py paths)."""
     if not HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    if device is not None and torch.device(device).type != "cuda":
         return False
     if os.environ.get("LINRNN_NVFP4_GEMM", "auto") not in ("auto", "mma"):
         return False
     major, _ = torch.cuda.get_device_capability(device)
-    return 8 <= major <= 9
+    return major == 9
 
 
 def split_k(k_units: int, programs: int, num_sms: int) -> int:

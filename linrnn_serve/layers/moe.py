@@ -47,6 +47,18 @@ class Experts(nn.Module):
             return self.w2, 0, self.w2.n, "w2"
         return self.w13, (0 if part == "gate" else self.inter), self.inter, "w13"
 
+    def repack_for_kernels(self, name: str = "experts", force: bool = False) -> None:
+        """After loading: NVFP4 experts also get the MMA-fragment layout of the Hopper decode kernel
+        (kernels/moe/nvfp4_layout.py; gate/up rows interleaved) when that kernel can run on their
+        device (or `force`). Costs a second copy of the expert weights; negative / NaN block scales
+        raise ValueError naming the tensor."""
+        if getattr(self.w13, "fmt", None) != "nvfp4":
+            return
+        if not (force or moe_ops.mma_path_available(self.w13.packed.device)):
+            return
+        self.w13.pack_mma(gated=True, name=f"{name}.w13 (gate_up_proj)")
+        self.w2.pack_mma(gated=False, name=f"{name}.w2 (down_proj)")
+
     def forward(self, x, topk_weights, topk_ids):
         return moe_ops.moe_experts(x, topk_weights, topk_ids, self.w13.weight_tensor(), self.w2.weight_tensor())
 
