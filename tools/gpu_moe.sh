@@ -9,4 +9,4 @@ mkdir -p $OUT/moe
 timeout ${T_TESTS:-240} python3 -m pytest -q -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider \
   --junitxml=$OUT/moe/test_nvfp4_mma_gpu.xml 2>&1 | grep -vE "leaked|nanobind|^ - " | tail -15
 timeout ${T_BENCH:-300} python3 -m linrnn_bench.kernels.moe --variants ${VARIANTS:-nvfp4/mma,nvfp4/asm,bf16/ours} \
-  --sets 3 --out $OUT/moe 2>&1 | grep -vE "leaked|nanobind|^ - |Warning|warn" | tail -20
+  --sets 3 --rep ${REP:-150} ${BENCH_ARGS:-} --out $OUT/moe 2>&1 | grep -vE "leaked|nanobind|^ - |Warning|warn" | tail -40

@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test; runs on CPU too)")
+    p.add_argument("--mma-sweep", action="store_true",
+                   help="also time the nvfp4/mma layer over (tokens per block, warps, k units per step)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one graph replay per variant: device time per kernel")
 
 
 # ------------------------------------------------------------------------------------ weights
@@ -316,6 +320,47 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------ MMA sweep / profile
+
+MMA_CANDIDATES = [(8, 4, None), (8, 2, None), (8, 4, 2), (16, 4, None), (16, 2, None), (16, 4, 2), (8, 8, None)]
+
+
+def mma_sweep(sets, inputs, k, args, cuda) -> dict:
+    """Layer time of the nvfp4/mma path per (tokens, warps, units) candidate (graph replays)."""
+    out = {}
+    for tokens, warps, units in MMA_CANDIDATES:
+        def call(s, x, logits):
+            topw, ids = router.route(logits, k, True)
+            a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
+            return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed, tokens=tokens,
+                                           warps=warps, units=units)
+        key = f"tokens={tokens} warps={warps} units={units or 'auto'}"
+        try:
+            calls = [graphed(lambda s=s, inp=inp: call(s, inp[0], inp[1]), cuda)[0] for s, inp in zip(sets, inputs)]
+            out[key] = bench(calls, args.warmup, args.rep, cuda)
+        except Exception as e:
+            out[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+    return out
+
+
+def profile_kernels(fn) -> dict:
+    """Device microseconds per kernel name over 20 replays of fn, divided by 20."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            times[ev.key[:60]] = round(t / 20, 2)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 # ---------------------------------------------------------------------------------------- run
 
 def run(args) -> int:
@@ -386,8 +431,22 @@ def run(args) -> int:
                 row["us"][v] = f"error: {type(e).__name__}: {str(e)[:100]}"
         if args.sweep:
             row["sweep"] = sweep(shape, sets, B, args, cuda, device)
+        if args.mma_sweep and cuda:
+            row["mma_sweep"] = mma_sweep(sets, inputs, k, args, cuda)
+            print("mma sweep", B, json.dumps(row["mma_sweep"]), flush=True)
+        if args.profile and cuda:
+            row["profile"] = {}
+            for v in variants:
+                fmt, fn = VARIANTS[v]
+                s, inp = sets[0], inputs[0]
+                try:
+                    row["profile"][v] = profile_kernels(lambda: fn(inp[1], inp[0], k, s[(fmt, "w13")], s[(fmt, "w2")]))
+                except Exception as e:
+                    row["profile"][v] = f"failed: {type(e).__name__}: {e}"
+            print("profile", B, json.dumps(row["profile"]), flush=True)
         rows.append(row)
-        print(json.dumps({kk: vv for kk, vv in row.items() if kk != "sweep"}, default=str), flush=True)
+        print(json.dumps({kk: vv for kk, vv in row.items() if kk not in ("sweep", "mma_sweep", "profile")},
+                         default=str), flush=True)
 
     ipw = None
     if "nvfp4/mma" in variants:
@@ -408,6 +467,19 @@ def run(args) -> int:
                 best = [f"{e['best'][0]} {e['best'][1]:.1f}" if e["best"] else "none" for e in
                         (entry["gate_up"], entry["down"])]
                 table += f"| {r['B']} | {bm} | {sw['default']} | {best[0]} | {best[1]} |\n"
+    if args.mma_sweep:
+        keys = [f"tokens={t} warps={w} units={u or 'auto'}" for t, w, u in MMA_CANDIDATES]
+        table += "\n## nvfp4/mma layer time by (tokens per block, warps per CTA, k units per step), us\n\n"
+        table += "| B | " + " | ".join(keys) + " |\n|---:|" + "---:|" * len(keys) + "\n"
+        for r in rows:
+            cells = [r.get("mma_sweep", {}).get(kk) for kk in keys]
+            table += f"| {r['B']} | " + " | ".join(f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells) + " |\n"
+    if args.profile:
+        table += "\n## Device time per kernel (us per layer call, torch.profiler, eager calls)\n\n"
+        for r in rows:
+            for v, prof in r.get("profile", {}).items():
+                items = prof.items() if isinstance(prof, dict) else []
+                table += f"- B={r['B']} {v}: " + "; ".join(f"{kk} {vv}" for kk, vv in items) + "\n"
     print(table)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -100,8 +100,15 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     return out
 
 
+def mma_tokens(num_pairs: int, num_experts: int) -> int:
+    """Tokens per expert block: 16 once the mean load passes 6 pairs per expert (an expert with
+    9-16 tokens then decodes its weights once, not twice), else 8."""
+    return 16 if num_pairs > 6 * num_experts else 8
+
+
 def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
-                    out: torch.Tensor | None = None, splits: tuple[int, int] | None = None):
+                    out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
+                    tokens: int | None = None, warps: int = 4, units: int | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
@@ -113,15 +120,17 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     if out is None:
         out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     P = T * top_k
-    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, nvfp4_mma.TOKENS)
+    tokens = tokens or mma_tokens(P, E)
+    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, tokens)
     blocks = expert_ids.numel()
     active = min(E, P)
     sms = nvfp4_mma.num_sms(x.device)
     if splits is None:
-        splits = (nvfp4_mma.split_k(p13.codes.shape[2], active * nvfp4_mma.programs_per_block(p13), sms),
-                  nvfp4_mma.split_k(p2.codes.shape[2], active * nvfp4_mma.programs_per_block(p2), sms))
+        splits = (nvfp4_mma.split_k(p13.codes.shape[2], active * nvfp4_mma.programs_per_block(p13, warps), sms),
+                  nvfp4_mma.split_k(p2.codes.shape[2], active * nvfp4_mma.programs_per_block(p2, warps), sms))
     s13, s2 = splits
-    common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids)
+    common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
+                  tokens=tokens, warps=warps, units=units)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if s13 == 1:
         nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, **common)

@@ -35,8 +35,7 @@ except ImportError:  # pragma: no cover
 
 from linrnn_kernels.moe import nvfp4_layout as lay
 
-TOKENS = 8  # MMA N: tokens per expert block
-_TOKENS = gl.constexpr(TOKENS) if HAVE_GLUON else TOKENS
+TOKENS = (8, 16)  # MMA N: tokens per expert block (16: two n8 MMAs share each decoded A fragment)
 
 # $0..$15: out_j of words 0..3 (out0 w0..w3, out1 w0..w3, ...); $16..$19 the four code words; $20 the
 # lane's four re-encoded scale bytes (byte w for word w; $21..$27 repeat it). Per word w:
@@ -82,7 +81,7 @@ if HAVE_GLUON:
             stride_ce, stride_se, stride_rse,
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
-            DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr):
+            DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr):
         ROWS: gl.constexpr = 16 * WARPS
         BK: gl.constexpr = 64 * UNITS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -105,8 +104,8 @@ if HAVE_GLUON:
 
         # activations (B operand [BK, 8]): rows of this 8-token block. Padding slots read row 0:
         # their accumulator columns are never stored, so no load mask (and no zero-fill) is needed
-        offs_n = gl.arange(0, _TOKENS, layout=gl.SliceLayout(0, b_op))
-        ids_b = gl.load(sorted_ids_ptr + pid_m * _TOKENS + offs_n)
+        offs_n = gl.arange(0, TOK, layout=gl.SliceLayout(0, b_op))
+        ids_b = gl.load(sorted_ids_ptr + pid_m * TOK + offs_n)
         a_rows = gl.where(ids_b < num_rows, ids_b // A_ROW_DIV, 0).to(gl.int64)
         offs_kb = gl.arange(0, BK, layout=gl.SliceLayout(1, b_op))
         x_off = a_rows[None, :] * stride_x + offs_kb[:, None]
@@ -134,7 +133,7 @@ if HAVE_GLUON:
         s_base = scales_ptr + expert * stride_se + unit0 * 16
         x_base = x_ptr + u_lo * 64
 
-        acc = gl.zeros([ROWS, _TOKENS], gl.float32, layout=mma)
+        acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
         for k0 in range(u_lo * 64, (u_lo + units_per_split) * 64, BK):
             q = gl.load(c_base + c_off)
             sw = gl.load(s_base + s_off)
@@ -160,7 +159,7 @@ if HAVE_GLUON:
 
         # epilogue: rows of this CTA in the accumulator layout
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-        offs_t = gl.arange(0, _TOKENS, layout=gl.SliceLayout(0, mma))
+        offs_t = gl.arange(0, TOK, layout=gl.SliceLayout(0, mma))
         tile = tile0 + offs_r // 16
         r8 = (offs_r // 8) % 2
         g = offs_r % 8
@@ -174,22 +173,22 @@ if HAVE_GLUON:
             row_ok = w_row < N
         rs = gl.load(rs_ptr + expert * stride_rse + w_row, mask=row_ok, other=0.0)
         acc = acc * (rs * GAIN)[:, None]
-        ids = gl.load(sorted_ids_ptr + pid_m * _TOKENS + offs_t)
+        ids = gl.load(sorted_ids_ptr + pid_m * TOK + offs_t)
         tok_ok = ids < num_rows
         if ROUTE_WEIGHTED:
             acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
         rows_out = ids.to(gl.int64)[None, :] * stride_om
         if GATED and SPLIT_K == 1:
             # [w, r8, g, n] -> gate (r8 = 0) and up (r8 = 1) of the same (g, n) in one thread
-            acc4 = gl.permute(gl.reshape(acc, [WARPS, 2, 8, _TOKENS]), [0, 2, 3, 1])
+            acc4 = gl.permute(gl.reshape(acc, [WARPS, 2, 8, TOK]), [0, 2, 3, 1])
             gate, up = gl.split(acc4)
             h = gate / (1.0 + gl.exp(-gate)) * up
             hl: gl.constexpr = gate.type.layout
             hw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
             hg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
-            hn = gl.arange(0, _TOKENS, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
+            hn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
             hcol = (tile0 + hw)[:, None, None] * 8 + hg[None, :, None]
-            hids = gl.load(sorted_ids_ptr + pid_m * _TOKENS + hn)
+            hids = gl.load(sorted_ids_ptr + pid_m * TOK + hn)
             hok = (hcol < N // 2) & (hids < num_rows)[None, None, :]
             gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + hcol,
                      h.to(out_ptr.dtype.element_ty), mask=hok)
@@ -245,7 +244,7 @@ def programs_per_block(w: lay.PackedNvfp4, warps: int = 4) -> int:
 
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
-           split: int = 1, warps: int = 4, units: int | None = None):
+           split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8):
     """One grouped GEMM over 8-token blocks. out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w)."""
     E, T, U, _ = w.codes.shape
@@ -268,7 +267,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         codes16.stride(0), scales32.stride(0), w.row_scale.stride(0),
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None,
         SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
-        DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN,
+        DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
         num_warps=warps)
 
 
@@ -276,7 +275,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
 # Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
 
 def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
-                    route_weighted: bool = False, arch: int = 90):
+                    route_weighted: bool = False, arch: int = 90, tokens: int = 8):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -286,7 +285,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
            "num_m_blocks": "i32", "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=route_weighted, SPLIT_K=split,
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
-                  GAIN=lay.DECODE_GAIN)
+                  GAIN=lay.DECODE_GAIN, TOK=tokens)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -298,7 +297,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
 
 
-def _sass(cubin: bytes) -> str:
+def _sass(cubin: bytes, what: str = "-sass") -> str:
     import subprocess
     import tempfile
 
@@ -308,11 +307,12 @@ def _sass(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+        return subprocess.run([tool, what, f.name], check=True, capture_output=True, text=True).stdout
 
 
 @functools.lru_cache(maxsize=None)
-def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4, arch: int = 90) -> dict:
+def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4, arch: int = 90,
+                 tokens: int = 8) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -320,7 +320,8 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int 
     import collections
     import re
 
-    k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch)
+    k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
+                        tokens=tokens)
     sass = _sass(k.asm["cubin"])
     ins = []
     for line in sass.splitlines():
@@ -338,7 +339,8 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int 
     body = [t for a, t in ins if lo <= a <= hi]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
     weights = 16 * 64 * units // 32
+    res = re.search(r"REG:(\d+)", _sass(k.asm["cubin"], "-res-usage"))
     return {"instructions": len(body), "per_weight": len(body) / weights, "ops": dict(ops),
             "smem_ops_in_loop": sum(v for o, v in ops.items() if o in ("STS", "LDS", "LDSM", "BAR", "STSM")),
             "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
-            "regs": getattr(k, "n_regs", None), "shared": k.metadata.shared}
+            "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared}
