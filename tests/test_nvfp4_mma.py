@@ -210,11 +210,13 @@ def test_mma_per_expert_loads(nan_buffers):
     topw = torch.rand(ids.shape[0], 1, device="cuda").bfloat16()
     _check(x, topw, ids, w13, w2)
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for tokens in (8, 16):
+    for tokens, groups in ((8, (1, 1)), (16, (1, 1)), (8, (2, 4))):
         for splits in ((1, 1), (2, 2), (4, 2)):  # every split-K path
-            y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=tokens)
+            y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=tokens,
+                                        groups=groups)
             assert not y.isnan().any()
-            assert float((y.double() - ref.double()).norm() / ref.double().norm()) <= 1e-2, (tokens, splits)
+            err = float((y.double() - ref.double()).norm() / ref.double().norm())
+            assert err <= 1e-2, (tokens, groups, splits, err)
 
 
 @pytest.mark.gpu

@@ -322,19 +322,25 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
 
 # ------------------------------------------------------------------------ MMA sweep / profile
 
-MMA_CANDIDATES = [(8, 4, None), (8, 2, None), (8, 4, 2), (16, 4, None), (16, 2, None), (16, 4, 2), (8, 8, None)]
+# (tokens per block, warps per CTA, most k units per step, row groups per CTA for gate_up, down)
+MMA_CANDIDATES = [(8, 4, 4, 1, 1), (8, 4, 4, 1, 2), (8, 4, 4, 1, 4), (8, 4, 4, 2, 4), (8, 4, 8, 1, 2),
+                  (8, 2, 4, 1, 4), (8, 8, 4, 1, 2), (8, 4, 2, 1, 4), (16, 4, 4, 1, 2)]
+
+
+def mma_key(tokens, warps, units, g13, g2) -> str:
+    return f"t{tokens} w{warps} u{units} g{g13}/{g2}"
 
 
 def mma_sweep(sets, inputs, k, args, cuda) -> dict:
     """Layer time of the nvfp4/mma path per (tokens, warps, units) candidate (graph replays)."""
     out = {}
-    for tokens, warps, units in MMA_CANDIDATES:
+    for tokens, warps, units, g13, g2 in MMA_CANDIDATES:
         def call(s, x, logits):
             topw, ids = router.route(logits, k, True)
             a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
             return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed, tokens=tokens,
-                                           warps=warps, units=units)
-        key = f"tokens={tokens} warps={warps} units={units or 'auto'}"
+                                           warps=warps, units=units, groups=(g13, g2))
+        key = mma_key(tokens, warps, units, g13, g2)
         try:
             calls = [graphed(lambda s=s, inp=inp: call(s, inp[0], inp[1]), cuda)[0] for s, inp in zip(sets, inputs)]
             out[key] = bench(calls, args.warmup, args.rep, cuda)
@@ -468,8 +474,9 @@ def run(args) -> int:
                         (entry["gate_up"], entry["down"])]
                 table += f"| {r['B']} | {bm} | {sw['default']} | {best[0]} | {best[1]} |\n"
     if args.mma_sweep:
-        keys = [f"tokens={t} warps={w} units={u or 'auto'}" for t, w, u in MMA_CANDIDATES]
-        table += "\n## nvfp4/mma layer time by (tokens per block, warps per CTA, k units per step), us\n\n"
+        keys = [mma_key(*c) for c in MMA_CANDIDATES]
+        table += ("\n## nvfp4/mma layer time by t(okens per block) w(arps per CTA) u(most 64-k units per step) "
+                  "g(row groups per CTA: gate_up/down), us\n\n")
         table += "| B | " + " | ".join(keys) + " |\n|---:|" + "---:|" * len(keys) + "\n"
         for r in rows:
             cells = [r.get("mma_sweep", {}).get(kk) for kk in keys]

@@ -101,14 +101,15 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
 
 
 def mma_tokens(num_pairs: int, num_experts: int) -> int:
-    """Tokens per expert block: 16 once the mean load passes 6 pairs per expert (an expert with
-    9-16 tokens then decodes its weights once, not twice), else 8."""
-    return 16 if num_pairs > 6 * num_experts else 8
+    """Tokens per expert block. 16-token blocks (one decode for experts with 9-16 tokens) measured
+    slower than 8 at every batch on the H200 (79 vs 56 registers; results/kernels/moe), so 8."""
+    return 8
 
 
 def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
-                    tokens: int | None = None, warps: int = 4, units: int | None = None):
+                    tokens: int | None = None, warps: int = 4, units: int | None = None,
+                    groups: tuple[int, int] = (1, 1)):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
@@ -126,19 +127,20 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     active = min(E, P)
     sms = nvfp4_mma.num_sms(x.device)
     if splits is None:
-        splits = (nvfp4_mma.split_k(p13.codes.shape[2], active * nvfp4_mma.programs_per_block(p13, warps), sms),
-                  nvfp4_mma.split_k(p2.codes.shape[2], active * nvfp4_mma.programs_per_block(p2, warps), sms))
+        splits = tuple(nvfp4_mma.split_k(p.codes.shape[2], active * nvfp4_mma.programs_per_block(p, warps) // g, sms)
+                       for p, g in ((p13, groups[0]), (p2, groups[1])))
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   tokens=tokens, warps=warps, units=units)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if s13 == 1:
-        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, **common)
+        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], **common)
     else:
         ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device)
-        nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, **common)
+        nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], **common)
         gg.silu_mul_reduce(ws, h)
     part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
-    nvfp4_mma.launch(h, p2, part, route_weights=topk_weights.reshape(-1).contiguous(), split=s2, **common)
+    nvfp4_mma.launch(h, p2, part, route_weights=topk_weights.reshape(-1).contiguous(), split=s2,
+                     groups=groups[1], **common)
     gg.sum_reduce(part, out, group=top_k)
     return out

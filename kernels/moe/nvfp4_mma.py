@@ -81,7 +81,8 @@ if HAVE_GLUON:
             stride_ce, stride_se, stride_rse,
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
-            DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr):
+            DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
+            GROUPS: gl.constexpr):
         ROWS: gl.constexpr = 16 * WARPS
         BK: gl.constexpr = 64 * UNITS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -112,7 +113,6 @@ if HAVE_GLUON:
 
         units_per_split = k_units // SPLIT_K
         u_lo = pid_k * units_per_split
-        tile0 = pid_n * WARPS
 
         # code words (int16 view, 8 per lane per unit) at ((tile * k_units + unit) * 32 + lane) * 8 + e;
         # loop-invariant offsets from scalar bases that advance by one K step
@@ -128,73 +128,77 @@ if HAVE_GLUON:
         so_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sraw)))
         s_off = ((so_w[:, None, None] * k_units + so_u[None, :, None]) * 16
                  + ((so_l // 4) * 2 + (so_l % 4) // 2)[None, None, :])
-        unit0 = tile0.to(gl.int64) * k_units + u_lo
-        c_base = codes_ptr + expert * stride_ce + unit0 * 256
-        s_base = scales_ptr + expert * stride_se + unit0 * 16
-        x_base = x_ptr + u_lo * 64
+        # GROUPS row groups of 16 * WARPS rows per CTA, one after the other: longer CTAs amortize the
+        # prologue (expert id, token ids) where K is short (down_proj: K = 512 is two K steps)
+        for grp in range(GROUPS):
+            tile0 = (pid_n * GROUPS + grp) * WARPS
+            unit0 = tile0.to(gl.int64) * k_units + u_lo
+            c_base = codes_ptr + expert * stride_ce + unit0 * 256
+            s_base = scales_ptr + expert * stride_se + unit0 * 16
+            x_base = x_ptr + u_lo * 64
 
-        acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
-        for k0 in range(u_lo * 64, (u_lo + units_per_split) * 64, BK):
-            q = gl.load(c_base + c_off)
-            sw = gl.load(s_base + s_off)
-            if EVEN_K:
-                xb = gl.load(x_base + x_off)
+            acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
+            for k0 in range(u_lo * 64, (u_lo + units_per_split) * 64, BK):
+                q = gl.load(c_base + c_off)
+                sw = gl.load(s_base + s_off)
+                if EVEN_K:
+                    xb = gl.load(x_base + x_off)
+                else:
+                    xb = gl.load(x_base + x_off, mask=(k0 + offs_kb < K)[:, None], other=0.0)
+                s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
+                o0, o1, o2, o3 = gl.inline_asm_elementwise(
+                    DECODE, CONSTRAINTS, [q, s8],
+                    dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
+                # join appends its new dim last: [.., p, q] holds out_{2p + q}
+                # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]
+                wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
+                wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
+                wts = gl.permute(wts, [0, 5, 2, 1, 4, 3, 7, 8, 6])  # row = (w, r8, g); k = (u, cb, t, p, q, h)
+                wts = gl.reshape(wts, [ROWS, BK])
+                a = gl.convert_layout(wts, a_op, assert_trivial=True)
+                acc = mma_v2(a, xb, acc)
+                c_base += UNITS * 256
+                s_base += UNITS * 16
+                x_base += BK
+
+            # epilogue: rows of this CTA in the accumulator layout
+            offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+            offs_t = gl.arange(0, TOK, layout=gl.SliceLayout(0, mma))
+            tile = tile0 + offs_r // 16
+            r8 = (offs_r // 8) % 2
+            g = offs_r % 8
+            if GATED:
+                half = N // 2
+                col = tile * 8 + g
+                w_row = r8 * half + col
+                row_ok = col < half
             else:
-                xb = gl.load(x_base + x_off, mask=(k0 + offs_kb < K)[:, None], other=0.0)
-            s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(
-                DECODE, CONSTRAINTS, [q, s8],
-                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
-            # join appends its new dim last: [.., p, q] holds out_{2p + q}
-            # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]
-            wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
-            wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
-            wts = gl.permute(wts, [0, 5, 2, 1, 4, 3, 7, 8, 6])  # row = (w, r8, g); k = (u, cb, t, p, q, h)
-            wts = gl.reshape(wts, [ROWS, BK])
-            a = gl.convert_layout(wts, a_op, assert_trivial=True)
-            acc = mma_v2(a, xb, acc)
-            c_base += UNITS * 256
-            s_base += UNITS * 16
-            x_base += BK
-
-        # epilogue: rows of this CTA in the accumulator layout
-        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-        offs_t = gl.arange(0, TOK, layout=gl.SliceLayout(0, mma))
-        tile = tile0 + offs_r // 16
-        r8 = (offs_r // 8) % 2
-        g = offs_r % 8
-        if GATED:
-            half = N // 2
-            col = tile * 8 + g
-            w_row = r8 * half + col
-            row_ok = col < half
-        else:
-            w_row = tile * 16 + r8 * 8 + g
-            row_ok = w_row < N
-        rs = gl.load(rs_ptr + expert * stride_rse + w_row, mask=row_ok, other=0.0)
-        acc = acc * (rs * GAIN)[:, None]
-        ids = gl.load(sorted_ids_ptr + pid_m * TOK + offs_t)
-        tok_ok = ids < num_rows
-        if ROUTE_WEIGHTED:
-            acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
-        rows_out = ids.to(gl.int64)[None, :] * stride_om
-        if GATED and SPLIT_K == 1:
-            # [w, r8, g, n] -> gate (r8 = 0) and up (r8 = 1) of the same (g, n) in one thread
-            acc4 = gl.permute(gl.reshape(acc, [WARPS, 2, 8, TOK]), [0, 2, 3, 1])
-            gate, up = gl.split(acc4)
-            h = gate / (1.0 + gl.exp(-gate)) * up
-            hl: gl.constexpr = gate.type.layout
-            hw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
-            hg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
-            hn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
-            hcol = (tile0 + hw)[:, None, None] * 8 + hg[None, :, None]
-            hids = gl.load(sorted_ids_ptr + pid_m * TOK + hn)
-            hok = (hcol < N // 2) & (hids < num_rows)[None, None, :]
-            gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + hcol,
-                     h.to(out_ptr.dtype.element_ty), mask=hok)
-        else:
-            gl.store(out_ptr + pid_k * stride_os + rows_out + w_row[:, None],
-                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+                w_row = tile * 16 + r8 * 8 + g
+                row_ok = w_row < N
+            rs = gl.load(rs_ptr + expert * stride_rse + w_row, mask=row_ok, other=0.0)
+            acc = acc * (rs * GAIN)[:, None]
+            ids = gl.load(sorted_ids_ptr + pid_m * TOK + offs_t)
+            tok_ok = ids < num_rows
+            if ROUTE_WEIGHTED:
+                acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
+            rows_out = ids.to(gl.int64)[None, :] * stride_om
+            if GATED and SPLIT_K == 1:
+                # [w, r8, g, n] -> gate (r8 = 0) and up (r8 = 1) of the same (g, n) in one thread
+                acc4 = gl.permute(gl.reshape(acc, [WARPS, 2, 8, TOK]), [0, 2, 3, 1])
+                gate, up = gl.split(acc4)
+                h = gate / (1.0 + gl.exp(-gate)) * up
+                hl: gl.constexpr = gate.type.layout
+                hw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
+                hg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
+                hn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
+                hcol = (tile0 + hw)[:, None, None] * 8 + hg[None, :, None]
+                hids = gl.load(sorted_ids_ptr + pid_m * TOK + hn)
+                hok = (hcol < N // 2) & (hids < num_rows)[None, None, :]
+                gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + hcol,
+                         h.to(out_ptr.dtype.element_ty), mask=hok)
+            else:
+                gl.store(out_ptr + pid_k * stride_os + rows_out + w_row[:, None],
+                         acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 
 
 def available(device=None) -> bool:
@@ -220,9 +224,13 @@ def split_k(k_units: int, programs: int, num_sms: int) -> int:
     return split
 
 
-def units_per_step(k_units: int, split: int) -> int:
+def units_per_step(k_units: int, split: int, most: int = 4) -> int:
+    """64-k units per K step: the largest power of two <= `most` dividing a split's units."""
     per = k_units // split
-    return 4 if per % 4 == 0 else (2 if per % 2 == 0 else 1)
+    units = most
+    while per % units:
+        units //= 2
+    return units
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,20 +252,21 @@ def programs_per_block(w: lay.PackedNvfp4, warps: int = 4) -> int:
 
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
-           split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8):
+           split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1):
     """One grouped GEMM over 8-token blocks. out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w)."""
     E, T, U, _ = w.codes.shape
-    if units is None:
-        units = units_per_step(U, split)
+    units = units_per_step(U, split, units or 4)
     if U % (units * split):
         raise ValueError(f"k units {U} not divisible by split {split} x units {units}")
     warps = min(warps, T)
     while T % warps:
         warps //= 2
+    while (T // warps) % groups:
+        groups //= 2
     codes16 = w.codes.view(torch.int16)
     scales32 = w.scales.view(torch.int32)
-    grid = (num_m_blocks * (T // warps), split)
+    grid = (num_m_blocks * (T // (warps * groups)), split)
     dummy = out
     _nvfp4_mma_kernel[grid](
         x, x.stride(0), codes16, scales32, w.row_scale, out,
@@ -268,14 +277,14 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None,
         SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
-        num_warps=warps)
+        GROUPS=groups, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------
 # Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
 
 def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
-                    route_weighted: bool = False, arch: int = 90, tokens: int = 8):
+                    route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -285,7 +294,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
            "num_m_blocks": "i32", "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=route_weighted, SPLIT_K=split,
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
-                  GAIN=lay.DECODE_GAIN, TOK=tokens)
+                  GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -312,7 +321,7 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4, arch: int = 90,
-                 tokens: int = 8) -> dict:
+                 tokens: int = 8, groups: int = 1) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -321,7 +330,7 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int 
     import re
 
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
-                        tokens=tokens)
+                        tokens=tokens, groups=groups)
     sass = _sass(k.asm["cubin"])
     ins = []
     for line in sass.splitlines():
@@ -335,7 +344,11 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int 
             loops.append((int(m.group(1), 16), addr))
     if not loops:
         raise RuntimeError("no backward branch (K loop) found in the SASS")
-    lo, hi = max(loops, key=lambda r: r[1] - r[0])
+    # the K loop: the innermost loop that issues MMAs (an outer loop runs over row groups)
+    loops = [r for r in loops if any(r[0] <= a <= r[1] and "HMMA" in t for a, t in ins)]
+    if not loops:
+        raise RuntimeError("no loop with MMAs found in the SASS")
+    lo, hi = min(loops, key=lambda r: r[1] - r[0])
     body = [t for a, t in ins if lo <= a <= hi]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
     weights = 16 * 64 * units // 32
