@@ -474,8 +474,9 @@ def environment(device: torch.device) -> dict:
 
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "host": platform.node(), "commit": git("rev-parse", "HEAD"),
-           "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+           "python": platform.python_version(), "host": platform.node(), # the device machine runs a copy of the tree without its .git: the caller names the commit
+           "commit": os.environ.get("LINRNN_COMMIT") or git("rev-parse", "HEAD"),
+           "dirty": False if os.environ.get("LINRNN_COMMIT") else bool(git("status", "--porcelain", "--untracked-files=no")),
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": shlex.join(["linrnn-serve", "bench", "batched"] + sys.argv[sys.argv.index("batched") + 1:])
            if "batched" in sys.argv else shlex.join(sys.argv)}

@@ -279,8 +279,10 @@ def environment() -> dict:
             return None
 
     return {"gpu": cmd("nvidia-smi", "--query-gpu=name", "--format=csv,noheader"),
-            "commit": cmd("git", "rev-parse", "HEAD"),
-            "dirty": bool(cmd("git", "status", "--porcelain", "--untracked-files=no")),
+            # the device machine runs a copy of the tree without its .git: the caller names the commit
+            "commit": os.environ.get("LINRNN_COMMIT") or cmd("git", "rev-parse", "HEAD"),
+            "dirty": False if os.environ.get("LINRNN_COMMIT") else bool(cmd("git", "status", "--porcelain",
+                                                                             "--untracked-files=no")),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": shlex.join(["linrnn-serve", "bench", "kernels"] + sys.argv[sys.argv.index("kernels") + 1:])
             if "kernels" in sys.argv else shlex.join(sys.argv), "python": sys.executable}
