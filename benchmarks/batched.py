@@ -151,19 +151,19 @@ def engine_overrides(model=None, graph_sizes: list[int] | None = None):
     """While an LLMEngine is built: reuse an already loaded `model` (same weights, another state
     configuration) and capture CUDA graphs only for `graph_sizes` (the batch sizes timed), instead of
     every engine bucket. Both are restored on exit."""
-    import linrnn_serve.engine.llm_engine as llm_engine
     import linrnn_serve.runner.model_runner as model_runner
+    import linrnn_serve.runner.worker as worker
 
-    saved = llm_engine.load_model, model_runner.decode_buckets
+    saved = worker.load_model, model_runner.decode_buckets
     if model is not None:
-        llm_engine.load_model = lambda *a, **k: model
+        worker.load_model = lambda *a, **k: model
     if graph_sizes:
         sizes = sorted(set(graph_sizes))
         model_runner.decode_buckets = lambda max_num_seqs: [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
     try:
         yield
     finally:
-        llm_engine.load_model, model_runner.decode_buckets = saved
+        worker.load_model, model_runner.decode_buckets = saved
 
 
 def expert_format(model) -> str | None:

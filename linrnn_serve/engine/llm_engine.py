@@ -1,17 +1,17 @@
 """LLMEngine: the synchronous engine. `add_request`, `step`, `abort`, `has_unfinished_requests`.
 
-    step():  scheduler.schedule() -> runner.execute(plan) -> scheduler.postprocess(plan, result)
+    step():  scheduler.schedule() -> executor.execute(plan) -> scheduler.postprocess(plan, result)
              -> one cumulative RequestOutput per request with new tokens (finished ones included)
 
-Construction: resolve the model (presets or a checkpoint directory) -> load weights -> pick the
-f32/bf16 state heads (classifier) -> size the caches (cache/budget.py, with a profile run on GPU)
--> allocate pools -> capture CUDA graphs -> tokenizer. Not thread-safe: AsyncLLMEngine drives it
+Construction: resolve the model (presets or a checkpoint directory) -> tokenizer -> the Executor
+(engine/executor.py) builds its workers (runner/worker.py: load weights, pick the f32/bf16 state
+heads, size the caches with a profile run on GPU, allocate pools, capture CUDA graphs) -> the
+scheduler's slot / block allocators sized from the executor's budget. Not thread-safe: AsyncLLMEngine drives it
 from one thread.
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -19,14 +19,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from linrnn_serve.cache import BlockAllocator, HybridStateCache, ModelCaches, PagedKVCache, SlotAllocator
-from linrnn_serve.cache.budget import CacheBudget, compute_budget
+from linrnn_serve.cache import BlockAllocator, SlotAllocator
+from linrnn_serve.cache.budget import CacheBudget
 from linrnn_serve.config import EngineConfig, ModelConfig
+from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
 from linrnn_serve.engine.outputs import CompletionOutput, EngineFullError, PromptTooLongError, RequestOutput
 from linrnn_serve.engine.tokenizer import Tokenizer
-from linrnn_serve.models.loading import load_model, resolve_device, resolve_dtype
-from linrnn_serve.runner.model_runner import ModelRunner
+from linrnn_serve.models.loading import resolve_device, resolve_dtype
 from linrnn_serve.sampling_params import SamplingParams
 from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
 
@@ -67,17 +67,6 @@ def resolve_model(name_or_path: str, load_format: str) -> ResolvedModel:
     return ResolvedModel(cfg, name_or_path, name_or_path, os.path.basename(os.path.normpath(name_or_path)))
 
 
-def build_head_map(model, tau: float, checkpoint_dir: str | None, calibration_tokens: list[int] | None):
-    """(bf16_heads or None, description) from linrnn_serve.classifier when it exists."""
-    try:
-        from linrnn_serve.classifier import build_head_map as classify
-    except ImportError:
-        if math.isinf(tau):
-            return None, "all f32 (classifier not available)"
-        raise RuntimeError(f"ssm_bf16_tau={tau} needs linrnn_serve.classifier, which is not available")
-    return classify(model, tau, checkpoint_dir=checkpoint_dir, calibration_tokens=calibration_tokens)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         t_start = time.perf_counter()
@@ -94,36 +83,15 @@ class LLMEngine:
                         cfg.max_position_embeddings)
         self.tokenizer = self._load_tokenizer(resolved)
 
-        t0 = time.perf_counter()
-        self.model = load_model(cfg, resolved.model_dir, self.dtype, self.device, config.load_format,
-                                progress=progress, seed=config.seed)
-        weights_s = time.perf_counter() - t0
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-
         calib = None
         if config.ssm_calibration:
             if self.tokenizer is None:
                 raise ValueError("ssm_calibration needs a tokenizer to encode the calibration text")
             with open(config.ssm_calibration, encoding="utf-8") as f:
                 calib = self.tokenizer.encode(f.read())
-        bf16_heads, self.head_map_description = build_head_map(self.model, config.ssm_bf16_tau, resolved.model_dir,
-                                                               calib)
-
-        peak = self._profile_activation_peak() if self.device.type == "cuda" and config.num_kv_blocks is None \
-            else None
-        self.budget: CacheBudget = compute_budget(
-            cfg, device=self.device, act_dtype=self.dtype, kv_dtype=self.dtype, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, block_size=config.block_size,
-            gpu_memory_utilization=config.gpu_memory_utilization, bf16_heads=bf16_heads,
-            num_kv_blocks=config.num_kv_blocks, activation_peak=peak,
-            max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
-        state = HybridStateCache(cfg, self.budget.num_state_slots, self.dtype, self.device, bf16_heads)
-        kv = PagedKVCache(cfg, self.budget.num_kv_blocks, config.block_size, self.dtype, self.device)
-        self.caches = ModelCaches(state, kv)
-        self.runner = ModelRunner(self.model, self.caches, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len, block_size=config.block_size,
-                                  enforce_eager=config.enforce_eager, progress=progress)
-        self.runner.capture_graphs()
+        self.executor = Executor.create(config, cfg, resolved.model_dir, self.device, self.dtype, self.max_model_len,
+                                        calibration_tokens=calib, progress=progress)
+        self.budget: CacheBudget = self.executor.budget
 
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in cfg.eos_token_id if e not in eos]
@@ -140,19 +108,37 @@ class LLMEngine:
         self.capture_logits = False  # tests: keep a copy of every step's logits per (request, sample, position)
         self.logits_log: dict[tuple[str, int, int], torch.Tensor] = {}
 
+        d = self.executor.describe()
         log.info("model %s (%s, %d layers: %d GDN + %d attention; %d experts top-%d), %s on %s, weights %.2f GiB "
                  "loaded in %.1f s", self.model_name, cfg.model_type, cfg.num_hidden_layers, len(cfg.gdn_layers),
                  len(cfg.attn_layers), cfg.num_experts, cfg.num_experts_per_tok, str(self.dtype).replace("torch.", ""),
-                 self.device, weight_bytes / 2**30, weights_s)
+                 self.device, d["weight_bytes"] / 2**30, d["weights_seconds"])
+        f32 = d["state_f32_fraction"]
         log.info("recurrent state: %s; f32 heads %.1f%% / bf16 %.1f%%; %.2f MiB per sequence",
-                 self.head_map_description, 100 * state.f32_fraction(), 100 * (1 - state.f32_fraction()),
-                 state.bytes_per_seq() / 2**20)
+                 d["head_map"], 100 * f32, 100 * (1 - f32), d["state_bytes_per_seq"] / 2**20)
         log.info("caches: %s", self.budget.describe())
         log.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, CUDA graphs %s; engine ready in "
                  "%.1f s", self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
-                 f"on ({len(self.runner.graphs.graphs)} captured in {self.runner.graphs.capture_seconds:.1f} s, "
-                 f"{self.runner.graphs.capture_bytes / 2**30:.2f} GiB)" if self.runner.use_graphs else "off",
+                 f"on ({d['num_graphs']} captured in {d['graph_capture_seconds']:.1f} s, "
+                 f"{d['graph_capture_bytes'] / 2**30:.2f} GiB)" if d["cuda_graphs"] else "off",
                  time.perf_counter() - t_start)
+
+    # in-process worker internals, for tests and benchmarks only (UniProcExecutor)
+    @property
+    def runner(self):
+        return self.executor.worker.runner
+
+    @property
+    def model(self):
+        return self.executor.worker.model
+
+    @property
+    def caches(self):
+        return self.executor.worker.caches
+
+    @property
+    def head_map_description(self) -> str:
+        return self.executor.describe()["head_map"]
 
     @classmethod
     def from_engine_args(cls, model: str, progress: bool = True, **kwargs) -> "LLMEngine":
@@ -181,32 +167,6 @@ class LLMEngine:
             return Tokenizer.from_dir(d, resolved.cfg.eos_token_id)
         log.warning("no tokenizer.json for %s: prompts must be token ids and outputs carry no text", resolved.name)
         return None
-
-    @torch.inference_mode()
-    def _profile_activation_peak(self) -> int | None:
-        """Peak scratch memory of a max_num_batched_tokens prefill (with a temporary small cache)."""
-        c = self.config
-        T = min(c.max_num_batched_tokens, self.max_model_len)
-        try:
-            from linrnn_serve.runner.session import Session
-
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            s = Session(self.model, 1, T, c.block_size)
-            cache_bytes = torch.cuda.memory_allocated(self.device) - base
-            ids = torch.randint(0, self.model_config.vocab_size, (T,)).tolist()
-            s.forward([s.new_seq()], [ids])
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - base - cache_bytes
-            del s
-            torch.cuda.empty_cache()
-            return int(peak * 1.1) + (64 << 20)
-        except Exception as e:  # the estimate is used instead
-            log.warning("profile run failed (%s: %s); using an activation-memory estimate", type(e).__name__, e)
-            torch.cuda.empty_cache()
-            return None
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -276,7 +236,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        result = self.runner.execute(plan)
+        result = self.executor.execute(plan)
         if self.capture_logits:
             self._log_logits()
         now = time.monotonic()
@@ -302,7 +262,7 @@ class LLMEngine:
 
     def _log_logits(self) -> None:
         """Before postprocess: key each sampled row by (request, sample, output position it decides)."""
-        for sid, row in self.runner.last_logits().items():
+        for sid, row in self.executor.worker.last_logits().items():
             seq = self.scheduler.seqs.get(sid)
             if seq is not None:
                 self.logits_log[(seq.group.request_id, seq.index, seq.num_output)] = row.detach().cpu().clone()
@@ -350,6 +310,7 @@ class LLMEngine:
         }
 
     def describe(self) -> dict:
+        d = self.executor.describe()
         return {"model": self.model_name, "dtype": str(self.dtype), "device": str(self.device),
                 "max_model_len": self.max_model_len, "budget": asdict(self.budget),
-                "state_f32_fraction": self.caches.state.f32_fraction(), "cuda_graphs": self.runner.use_graphs}
+                "state_f32_fraction": d["state_f32_fraction"], "cuda_graphs": d["cuda_graphs"]}

@@ -1,0 +1,93 @@
+"""Executor: the engine core's one handle on its workers (the Executor / Worker seam).
+
+The engine core (scheduler + step loop, engine/llm_engine.py) decides *who* runs; an Executor makes
+its workers (runner/worker.py, one per device) run it. The core only ever calls:
+
+    ex = Executor.create(config, model_config, model_dir, device, dtype, max_model_len, ...)
+    ex.budget                   # CacheBudget every worker holds (sizes the scheduler's allocators)
+    ex.execute(plan)            # StepPlan -> StepResult (sampled ids of rank 0 / the driver worker)
+    ex.describe()               # plain dict for logs and `LLMEngine.describe()`
+    ex.check_health()           # raises if a worker is gone
+    ex.shutdown()
+
+Everything crossing the seam is plain data (EngineConfig, ModelConfig, CacheBudget, StepPlan,
+StepResult, dicts), so an executor may keep its workers in other processes. Set-up order per
+worker: load_model -> determine_budget -> (executor agrees on one budget: the minimum over ranks)
+-> init_caches(budget) -> capture_graphs.
+
+    UniProcExecutor   one in-process Worker (one GPU, or the CPU): the default
+    (tensor parallel) one Worker process per GPU; register it with `register_executor(name, cls)`
+                      and select it with `Executor.create(..., kind=name)`; every rank gets the same
+                      StepPlan, rank 0 returns the StepResult.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Callable
+
+import torch
+
+from linrnn_serve.cache.budget import CacheBudget
+from linrnn_serve.config import EngineConfig, ModelConfig
+from linrnn_serve.runner.plan import StepPlan, StepResult
+from linrnn_serve.runner.worker import Worker
+
+
+class Executor(abc.ABC):
+    budget: CacheBudget
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str | None,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 calibration_tokens: list[int] | None = None, progress: bool = True):
+        self.config, self.model_config, self.model_dir = config, model_config, model_dir
+        self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
+        self.calibration_tokens, self.progress = calibration_tokens, progress
+
+    @staticmethod
+    def create(config: EngineConfig, model_config: ModelConfig, model_dir: str | None, device: torch.device,
+               dtype: torch.dtype, max_model_len: int, calibration_tokens: list[int] | None = None,
+               progress: bool = True, kind: str = "uniproc") -> "Executor":
+        try:
+            cls = _EXECUTORS[kind]
+        except KeyError:
+            raise ValueError(f"unknown executor {kind!r} (known: {', '.join(sorted(_EXECUTORS))})") from None
+        return cls(config, model_config, model_dir, device, dtype, max_model_len, calibration_tokens, progress)
+
+    @abc.abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    @abc.abstractmethod
+    def describe(self) -> dict: ...
+
+    def check_health(self) -> None:
+        """Raise RuntimeError when a worker is gone (in-process workers cannot be)."""
+
+    def shutdown(self) -> None:
+        """Release the workers (in-process: nothing to do)."""
+
+
+class UniProcExecutor(Executor):
+    """One Worker in this process."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        w = self.worker = Worker(self.config, self.model_config, self.model_dir, self.device, self.dtype,
+                                 self.max_model_len, progress=self.progress)
+        w.load_model(self.calibration_tokens)
+        self.budget = w.determine_budget()
+        w.init_caches(self.budget)
+        w.capture_graphs()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.worker.execute(plan)
+
+    def describe(self) -> dict:
+        return self.worker.describe()
+
+
+_EXECUTORS: dict[str, Callable[..., Executor]] = {"uniproc": UniProcExecutor}
+
+
+def register_executor(kind: str, cls: Callable[..., Executor]) -> None:
+    """Make `Executor.create(..., kind=kind)` build `cls` (e.g. a tensor-parallel multiprocess executor)."""
+    _EXECUTORS[kind] = cls

@@ -1,0 +1,125 @@
+"""Worker: everything one device holds — the model (or, with tensor parallelism, its shard), the
+recurrent-state and paged-KV caches, the ModelRunner and its CUDA graphs.
+
+The engine core never touches a worker's tensors: it talks to its workers through an Executor
+(engine/executor.py), in this order:
+
+    w = Worker(config, model_config, model_dir, device, dtype, rank=0, world_size=1)
+    w.load_model()                          # weights (this rank's shard), f32/bf16 head map
+    budget = w.determine_budget()           # cache sizes this device can hold (profile run on GPU)
+    w.init_caches(budget)                   # the executor passes the budget every rank agrees on
+    w.capture_graphs()
+    result = w.execute(plan)                # StepPlan -> StepResult, every step
+
+Everything crossing that boundary is plain data (EngineConfig, ModelConfig, CacheBudget, StepPlan,
+StepResult), so a worker can live in another process (one per GPU) with the same interface.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from linrnn_serve.cache import HybridStateCache, ModelCaches, PagedKVCache
+from linrnn_serve.cache.budget import CacheBudget, compute_budget
+from linrnn_serve.classifier import build_head_map
+from linrnn_serve.config import EngineConfig, ModelConfig
+from linrnn_serve.models.loading import load_model
+from linrnn_serve.runner.model_runner import ModelRunner
+from linrnn_serve.runner.plan import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str | None,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int, rank: int = 0, world_size: int = 1,
+                 progress: bool = True):
+        self.config, self.model_config, self.model_dir = config, model_config, model_dir
+        self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
+        self.rank, self.world_size, self.progress = rank, world_size, progress
+        self.model = None
+        self.bf16_heads = None
+        self.head_map_description = ""
+        self.caches: ModelCaches | None = None
+        self.runner: ModelRunner | None = None
+        self.weights_seconds = 0.0
+        self.weight_bytes = 0
+
+    # ---- set-up, in order ----------------------------------------------------------------------
+    def load_model(self, calibration_tokens: list[int] | None = None) -> None:
+        c = self.config
+        t0 = time.perf_counter()
+        self.model = load_model(self.model_config, self.model_dir, self.dtype, self.device, c.load_format,
+                                progress=self.progress, seed=c.seed)
+        self.weights_seconds = time.perf_counter() - t0
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.bf16_heads, self.head_map_description = build_head_map(self.model, c.ssm_bf16_tau, self.model_dir,
+                                                                    calibration_tokens)
+
+    def determine_budget(self) -> CacheBudget:
+        c = self.config
+        peak = self._profile_activation_peak() if self.device.type == "cuda" and c.num_kv_blocks is None else None
+        return compute_budget(
+            self.model_config, device=self.device, act_dtype=self.dtype, kv_dtype=self.dtype,
+            max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, block_size=c.block_size,
+            gpu_memory_utilization=c.gpu_memory_utilization, bf16_heads=self.bf16_heads,
+            num_kv_blocks=c.num_kv_blocks, activation_peak=peak, max_num_batched_tokens=c.max_num_batched_tokens,
+            enforce_eager=c.enforce_eager)
+
+    def init_caches(self, budget: CacheBudget) -> None:
+        c = self.config
+        state = HybridStateCache(self.model_config, budget.num_state_slots, self.dtype, self.device, self.bf16_heads)
+        kv = PagedKVCache(self.model_config, budget.num_kv_blocks, c.block_size, self.dtype, self.device)
+        self.caches = ModelCaches(state, kv)
+        self.runner = ModelRunner(self.model, self.caches, max_num_seqs=c.max_num_seqs,
+                                  max_model_len=self.max_model_len, block_size=c.block_size,
+                                  enforce_eager=c.enforce_eager, progress=self.progress)
+
+    def capture_graphs(self) -> None:
+        self.runner.capture_graphs()
+
+    # ---- every step ----------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.runner.execute(plan)
+
+    def last_logits(self) -> dict[int, torch.Tensor]:
+        return self.runner.last_logits()
+
+    def describe(self) -> dict:
+        r = self.runner
+        return {"rank": self.rank, "device": str(self.device), "cuda_graphs": bool(r and r.use_graphs),
+                "num_graphs": len(r.graphs.graphs) if r else 0,
+                "graph_capture_seconds": r.graphs.capture_seconds if r else 0.0,
+                "graph_capture_bytes": r.graphs.capture_bytes if r else 0,
+                "state_f32_fraction": self.caches.state.f32_fraction() if self.caches else 1.0,
+                "state_bytes_per_seq": self.caches.state.bytes_per_seq() if self.caches else 0,
+                "head_map": self.head_map_description, "weight_bytes": self.weight_bytes,
+                "weights_seconds": self.weights_seconds}
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int | None:
+        """Peak scratch memory of a max_num_batched_tokens prefill (with a temporary small cache)."""
+        c = self.config
+        T = min(c.max_num_batched_tokens, self.max_model_len)
+        try:
+            from linrnn_serve.runner.session import Session
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            s = Session(self.model, 1, T, c.block_size)
+            cache_bytes = torch.cuda.memory_allocated(self.device) - base
+            ids = torch.randint(0, self.model_config.vocab_size, (T,)).tolist()
+            s.forward([s.new_seq()], [ids])
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - base - cache_bytes
+            del s
+            torch.cuda.empty_cache()
+            return int(peak * 1.1) + (64 << 20)
+        except Exception as e:  # the estimate is used instead
+            log.warning("profile run failed (%s: %s); using an activation-memory estimate", type(e).__name__, e)
+            torch.cuda.empty_cache()
+            return None
