@@ -41,6 +41,7 @@ def test_pack_unpack_bit_exact(E, n, k, gated):
     p = lay.pack(packed, bs, rs, gated)
     assert p.codes.shape == (E, lay.padded_rows(n, gated) // 16, lay.padded_k(k) // 64, 128)
     assert p.codes.dtype == torch.int32 and p.scales.dtype == torch.uint8
+    assert lay.has_slack(p.codes) and lay.has_slack(p.scales) and not lay.has_slack(p.codes.clone())
     up, ubs, urs = lay.unpack(p)
     zero = (bs.view(torch.uint8) == 0).repeat_interleave(8, -1)
     assert torch.equal(up, torch.where(zero, 0, packed))  # zero-scale blocks come back with zero codes
@@ -210,10 +211,10 @@ def test_mma_per_expert_loads(nan_buffers):
     topw = torch.rand(ids.shape[0], 1, device="cuda").bfloat16()
     _check(x, topw, ids, w13, w2)
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for tokens, groups in ((8, (1, 1)), (16, (1, 1)), (8, (2, 4))):
+    for tokens, groups, prefetch in ((8, (1, 1), False), (16, (1, 1), False), (8, (2, 4), False), (8, (1, 1), True)):
         for splits in ((1, 1), (2, 2), (4, 2)):  # every split-K path
             y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=tokens,
-                                        groups=groups)
+                                        groups=groups, prefetch=prefetch)
             assert not y.isnan().any()
             err = float((y.double() - ref.double()).norm() / ref.double().norm())
             assert err <= 1e-2, (tokens, groups, splits, err)

@@ -322,25 +322,26 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
 
 # ------------------------------------------------------------------------ MMA sweep / profile
 
-# (tokens per block, warps per CTA, most k units per step, row groups per CTA for gate_up, down)
-MMA_CANDIDATES = [(8, 4, 4, 1, 1), (8, 4, 4, 1, 2), (8, 4, 4, 1, 4), (8, 4, 4, 2, 4), (8, 4, 8, 1, 2),
-                  (8, 2, 4, 1, 4), (8, 8, 4, 1, 2), (8, 4, 2, 1, 4), (16, 4, 4, 1, 2)]
+# (tokens per block, warps per CTA, most k units per step, row groups per CTA for gate_up, down,
+#  prefetch of the next K step's codes and scales)
+MMA_CANDIDATES = [(8, 4, 4, 1, 1, False), (8, 4, 2, 1, 1, True), (8, 4, 1, 1, 1, True), (8, 4, 4, 1, 1, True),
+                  (8, 2, 2, 1, 1, True), (8, 4, 2, 1, 2, True), (8, 8, 2, 1, 1, True), (8, 4, 2, 1, 1, False)]
 
 
-def mma_key(tokens, warps, units, g13, g2) -> str:
-    return f"t{tokens} w{warps} u{units} g{g13}/{g2}"
+def mma_key(tokens, warps, units, g13, g2, prefetch) -> str:
+    return f"t{tokens} w{warps} u{units} g{g13}/{g2}{' pf' if prefetch else ''}"
 
 
 def mma_sweep(sets, inputs, k, args, cuda) -> dict:
     """Layer time of the nvfp4/mma path per (tokens, warps, units) candidate (graph replays)."""
     out = {}
-    for tokens, warps, units, g13, g2 in MMA_CANDIDATES:
+    for tokens, warps, units, g13, g2, pf in MMA_CANDIDATES:
         def call(s, x, logits):
             topw, ids = router.route(logits, k, True)
             a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
             return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed, tokens=tokens,
-                                           warps=warps, units=units, groups=(g13, g2))
-        key = mma_key(tokens, warps, units, g13, g2)
+                                           warps=warps, units=units, groups=(g13, g2), prefetch=pf)
+        key = mma_key(tokens, warps, units, g13, g2, pf)
         try:
             calls = [graphed(lambda s=s, inp=inp: call(s, inp[0], inp[1]), cuda)[0] for s, inp in zip(sets, inputs)]
             out[key] = bench(calls, args.warmup, args.rep, cuda)
@@ -459,8 +460,10 @@ def run(args) -> int:
         try:
             from linrnn_kernels.moe import nvfp4_mma
 
-            ipw = {f"{'gate_up' if g else 'down'} split {sp}": nvfp4_mma.k_loop_stats(gated=g, split=sp)["per_weight"]
-                   for g, sp in ((True, 1), (True, 2), (False, 1), (False, 2))}
+            ipw = {f"{'gate_up' if g else 'down'} split {sp} u{u}{' pf' if pf else ''}":
+                   nvfp4_mma.k_loop_stats(gated=g, split=sp, units=u, prefetch=pf)["per_weight"]
+                   for g, sp, u, pf in ((True, 1, 4, False), (True, 2, 4, False), (False, 1, 4, False),
+                                        (False, 2, 4, False), (True, 1, 2, True), (True, 1, 1, True))}
         except Exception as e:  # the table still stands without it
             print(f"instruction count unavailable: {type(e).__name__}: {e}")
     table = markdown(rows, variants, copy_gbs, info, ipw)
@@ -476,7 +479,7 @@ def run(args) -> int:
     if args.mma_sweep:
         keys = [mma_key(*c) for c in MMA_CANDIDATES]
         table += ("\n## nvfp4/mma layer time by t(okens per block) w(arps per CTA) u(most 64-k units per step) "
-                  "g(row groups per CTA: gate_up/down), us\n\n")
+                  "g(row groups per CTA: gate_up/down) pf(prefetch of the next K step), us\n\n")
         table += "| B | " + " | ".join(keys) + " |\n|---:|" + "---:|" * len(keys) + "\n"
         for r in rows:
             cells = [r.get("mma_sweep", {}).get(kk) for kk in keys]

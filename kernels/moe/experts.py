@@ -109,7 +109,7 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
 def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
                     tokens: int | None = None, warps: int = 4, units: int | None = None,
-                    groups: tuple[int, int] = (1, 1)):
+                    groups: tuple[int, int] = (1, 1), prefetch: bool = False):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
@@ -131,7 +131,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                        for p, g in ((p13, groups[0]), (p2, groups[1])))
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
-                  tokens=tokens, warps=warps, units=units)
+                  tokens=tokens, warps=warps, units=units, prefetch=prefetch)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if s13 == 1:
         nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], **common)

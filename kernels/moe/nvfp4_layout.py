@@ -43,6 +43,9 @@ MAG_SHIFT = (0, 3, 6, 9)    # by j, plus 16 h
 SIGN_BIT = (13, 12, 15, 14)  # by j, plus 16 h
 UNIT_K = 64
 TILE_ROWS = 16
+# codes / scales are views into buffers this much longer, so a kernel that prefetches the next K step
+# may read one step past the last unit without a bounds check
+SLACK_BYTES = 8192
 
 
 class PackedNvfp4(NamedTuple):
@@ -171,7 +174,18 @@ def pack(packed: torch.Tensor, block_scale: torch.Tensor, row_scale: torch.Tenso
     s = _tile_rows(enc, gated).reshape(E, T, 2, 8, U, 2, 2)  # [E, T, r8, g, U, cb, th]
     scales = s.permute(0, 1, 4, 3, 6, 5, 2).reshape(E, T, U, 64)  # (2g + th) * 4 + 2cb + r8
     rs = row_scale.float().contiguous()
-    return PackedNvfp4(words.contiguous(), scales.contiguous(), rs, n, k, gated)
+    return PackedNvfp4(_with_slack(words), _with_slack(scales), rs, n, k, gated)
+
+
+def _with_slack(t: torch.Tensor) -> torch.Tensor:
+    flat = t.new_zeros(t.numel() + SLACK_BYTES // t.element_size())
+    flat[:t.numel()] = t.reshape(-1)
+    return flat[:t.numel()].view(t.shape)
+
+
+def has_slack(t: torch.Tensor) -> bool:
+    end = (t.storage_offset() + t.numel()) * t.element_size()
+    return t.is_contiguous() and t.untyped_storage().nbytes() >= end + SLACK_BYTES
 
 
 def unpack(p: PackedNvfp4):

@@ -82,7 +82,7 @@ if HAVE_GLUON:
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
-            GROUPS: gl.constexpr):
+            GROUPS: gl.constexpr, PREFETCH: gl.constexpr):
         ROWS: gl.constexpr = 16 * WARPS
         BK: gl.constexpr = 64 * UNITS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -138,9 +138,19 @@ if HAVE_GLUON:
             x_base = x_ptr + u_lo * 64
 
             acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
-            for k0 in range(u_lo * 64, (u_lo + units_per_split) * 64, BK):
-                q = gl.load(c_base + c_off)
-                sw = gl.load(s_base + s_off)
+            k_end = (u_lo + units_per_split) * 64
+            if PREFETCH:  # codes and scales of the next K step are loaded before this one is decoded
+                q_next = gl.load(c_base + c_off)
+                sw_next = gl.load(s_base + s_off)
+            for k0 in range(u_lo * 64, k_end, BK):
+                if PREFETCH:
+                    q = q_next
+                    sw = sw_next
+                    q_next = gl.load(c_base + UNITS * 256 + c_off)
+                    sw_next = gl.load(s_base + UNITS * 16 + s_off)
+                else:
+                    q = gl.load(c_base + c_off)
+                    sw = gl.load(s_base + s_off)
                 if EVEN_K:
                     xb = gl.load(x_base + x_off)
                 else:
@@ -252,7 +262,8 @@ def programs_per_block(w: lay.PackedNvfp4, warps: int = 4) -> int:
 
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
-           split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1):
+           split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
+           prefetch: bool = False):
     """One grouped GEMM over 8-token blocks. out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w)."""
     E, T, U, _ = w.codes.shape
@@ -264,6 +275,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         warps //= 2
     while (T // warps) % groups:
         groups //= 2
+    # the prefetch reads one K step past a split's end: only over buffers with pack()'s slack
+    prefetch = prefetch and lay.has_slack(w.codes) and lay.has_slack(w.scales)
     codes16 = w.codes.view(torch.int16)
     scales32 = w.scales.view(torch.int32)
     grid = (num_m_blocks * (T // (warps * groups)), split)
@@ -277,14 +290,15 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None,
         SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
-        GROUPS=groups, num_warps=warps)
+        GROUPS=groups, PREFETCH=prefetch, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------
 # Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
 
 def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
-                    route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1):
+                    route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
+                    prefetch: bool = False):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -294,7 +308,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
            "num_m_blocks": "i32", "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=route_weighted, SPLIT_K=split,
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
-                  GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups)
+                  GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -321,7 +335,7 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4, arch: int = 90,
-                 tokens: int = 8, groups: int = 1) -> dict:
+                 tokens: int = 8, groups: int = 1, prefetch: bool = False) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -330,7 +344,7 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int 
     import re
 
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
-                        tokens=tokens, groups=groups)
+                        tokens=tokens, groups=groups, prefetch=prefetch)
     sass = _sass(k.asm["cubin"])
     ins = []
     for line in sass.splitlines():
