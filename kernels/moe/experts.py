@@ -108,8 +108,8 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
 
 def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
-                    tokens: int | None = None, warps: int = 4, units: int | None = None,
-                    groups: tuple[int, int] = (1, 1), prefetch: bool = False):
+                    tokens: int | None = None, warps: int = 4, units: int = nvfp4_mma.DEFAULT_UNITS,
+                    groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16

@@ -35,6 +35,10 @@ except ImportError:  # pragma: no cover
 
 from linrnn_kernels.moe import nvfp4_layout as lay
 
+# default tile (measured on the H200, results/kernels/moe/moe_mma_prefetch_*): 2 units (128 k) per K
+# step, two steps per loop iteration with the next step's codes in flight
+DEFAULT_UNITS = 2
+DEFAULT_PREFETCH = True
 TOKENS = (8, 16)  # MMA N: tokens per expert block (16: two n8 MMAs share each decoded A fragment)
 
 # $0..$15: out_j of words 0..3 (out0 w0..w3, out1 w0..w3, ...); $16..$19 the four code words; $20 the
@@ -73,6 +77,28 @@ DECODE_CONSTRAINTS = ",".join(["=r"] * 16 + ["r"] * 12)
 
 
 if HAVE_GLUON:
+    @gluon.jit
+    def _decode_mma(q, sw, x_base, x_off, offs_kb, k0, K, acc, a_op: gl.constexpr, EVEN_K: gl.constexpr,
+                    DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr):
+        """One K step: activations (B fragment), in-register decode of the codes q with scales sw,
+        regrouping into the A fragment (asserted trivial: no data movement), MMA."""
+        if EVEN_K:
+            xb = gl.load(x_base + x_off)
+        else:
+            xb = gl.load(x_base + x_off, mask=(k0 + offs_kb < K)[:, None], other=0.0)
+        s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            DECODE, CONSTRAINTS, [q, s8],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
+        # join appends its new dim last: [.., p, q] holds out_{2p + q}
+        # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]
+        wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
+        wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
+        wts = gl.permute(wts, [0, 5, 2, 1, 4, 3, 7, 8, 6])  # row = (w, r8, g); k = (u, cb, t, p, q, h)
+        wts = gl.reshape(wts, [16 * WARPS, 64 * UNITS])
+        a = gl.convert_layout(wts, a_op, assert_trivial=True)
+        return mma_v2(a, xb, acc)
+
     @gluon.jit
     def _nvfp4_mma_kernel(
             x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_os, stride_om,
@@ -139,37 +165,32 @@ if HAVE_GLUON:
 
             acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
             k_end = (u_lo + units_per_split) * 64
-            if PREFETCH:  # codes and scales of the next K step are loaded before this one is decoded
-                q_next = gl.load(c_base + c_off)
-                sw_next = gl.load(s_base + s_off)
-            for k0 in range(u_lo * 64, k_end, BK):
-                if PREFETCH:
-                    q = q_next
-                    sw = sw_next
-                    q_next = gl.load(c_base + UNITS * 256 + c_off)
-                    sw_next = gl.load(s_base + UNITS * 16 + s_off)
-                else:
+            if PREFETCH:
+                # two K steps per iteration, ping-pong: the codes and scales of the next step are in
+                # flight while this one is decoded (the last loads read pack()'s slack, unused)
+                qa = gl.load(c_base + c_off)
+                sa = gl.load(s_base + s_off)
+                for k0 in range(u_lo * 64, k_end, 2 * BK):
+                    qb = gl.load(c_base + UNITS * 256 + c_off)
+                    sb = gl.load(s_base + UNITS * 16 + s_off)
+                    acc = _decode_mma(qa, sa, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
+                                      CONSTRAINTS, WARPS, UNITS)
+                    qa = gl.load(c_base + 2 * UNITS * 256 + c_off)
+                    sa = gl.load(s_base + 2 * UNITS * 16 + s_off)
+                    acc = _decode_mma(qb, sb, x_base + BK, x_off, offs_kb, k0 + BK, K, acc, a_op, EVEN_K,
+                                      DECODE, CONSTRAINTS, WARPS, UNITS)
+                    c_base += 2 * UNITS * 256
+                    s_base += 2 * UNITS * 16
+                    x_base += 2 * BK
+            else:
+                for k0 in range(u_lo * 64, k_end, BK):
                     q = gl.load(c_base + c_off)
                     sw = gl.load(s_base + s_off)
-                if EVEN_K:
-                    xb = gl.load(x_base + x_off)
-                else:
-                    xb = gl.load(x_base + x_off, mask=(k0 + offs_kb < K)[:, None], other=0.0)
-                s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
-                o0, o1, o2, o3 = gl.inline_asm_elementwise(
-                    DECODE, CONSTRAINTS, [q, s8],
-                    dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
-                # join appends its new dim last: [.., p, q] holds out_{2p + q}
-                # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]
-                wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
-                wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
-                wts = gl.permute(wts, [0, 5, 2, 1, 4, 3, 7, 8, 6])  # row = (w, r8, g); k = (u, cb, t, p, q, h)
-                wts = gl.reshape(wts, [ROWS, BK])
-                a = gl.convert_layout(wts, a_op, assert_trivial=True)
-                acc = mma_v2(a, xb, acc)
-                c_base += UNITS * 256
-                s_base += UNITS * 16
-                x_base += BK
+                    acc = _decode_mma(q, sw, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
+                                      CONSTRAINTS, WARPS, UNITS)
+                    c_base += UNITS * 256
+                    s_base += UNITS * 16
+                    x_base += BK
 
             # epilogue: rows of this CTA in the accumulator layout
             offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
@@ -275,8 +296,10 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         warps //= 2
     while (T // warps) % groups:
         groups //= 2
-    # the prefetch reads one K step past a split's end: only over buffers with pack()'s slack
-    prefetch = prefetch and lay.has_slack(w.codes) and lay.has_slack(w.scales)
+    # the prefetch runs two K steps per iteration and reads up to two steps past a split's end: only
+    # with an even step count and over buffers with pack()'s slack
+    prefetch = (prefetch and (U // split // units) % 2 == 0 and lay.has_slack(w.codes)
+                and lay.has_slack(w.scales))
     codes16 = w.codes.view(torch.int16)
     scales32 = w.scales.view(torch.int32)
     grid = (num_m_blocks * (T // (warps * groups)), split)
@@ -334,8 +357,8 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4, arch: int = 90,
-                 tokens: int = 8, groups: int = 1, prefetch: bool = False) -> dict:
+def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
+                 tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -365,7 +388,7 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = 4, warps: int 
     lo, hi = min(loops, key=lambda r: r[1] - r[0])
     body = [t for a, t in ins if lo <= a <= hi]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-    weights = 16 * 64 * units // 32
+    weights = 16 * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     res = re.search(r"REG:(\d+)", _sass(k.asm["cubin"], "-res-usage"))
     return {"instructions": len(body), "per_weight": len(body) / weights, "ops": dict(ops),
             "smem_ops_in_loop": sum(v for o, v in ops.items() if o in ("STS", "LDS", "LDSM", "BAR", "STSM")),
