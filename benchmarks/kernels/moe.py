@@ -3,7 +3,10 @@
 One sparse-MoE layer of Qwen3.5-35B-A3B shapes (E=256, top-8, H=2048, I=512) at B tokens, from
 router logits to the combined expert output, routing realistic (softmax of x @ W_router^T with
 random x and a router at HF init scale 0.02, so some experts are hot). Side by side, in one run:
-  nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the Hopper default)
+  nvfp4/mma       our default NVFP4 path on Hopper: decode batches on the MMA-fragment kernel
+                  (nvfp4_mma.py, experts repacked once per weight set as the loader does), large
+                  batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py)
+  nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the older Hopper kernel)
   nvfp4/w4a4      our kernels, W4A4 on FP4 tensor cores (sm_100+ only, added there automatically;
                   checked against the W4A4 reference, with a 2e-2 bound)
   nvfp4/triton    our kernels, NVFP4 experts, plain-Triton decode

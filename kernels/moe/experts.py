@@ -18,6 +18,11 @@ from linrnn_kernels.quant import WeightTensor
 # grouped GEMM with wide row blocks instead
 MMA_MAX_MEAN_PAIRS = 16
 
+# At and above this mean number of pairs per expert (and on a GPU, activations bf16) NVFP4 experts are
+# dequantized once per layer call into a bf16 scratch and the bf16 grouped GEMM runs on it (prefill:
+# the GEMMs are compute-bound there and bf16 tensor cores need no decode); dequant.py
+DEQUANT_MIN_MEAN_PAIRS = 64
+
 # Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
 # (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
 MAX_CHUNK_TOKENS = 4096
@@ -65,6 +70,13 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
+    if (configs is None and nvfp4_path in (None, "mma") and w13.fmt == "nvfp4" and w2.fmt == "nvfp4" and x.is_cuda
+            and x.dtype == torch.bfloat16 and T * top_k >= DEQUANT_MIN_MEAN_PAIRS * E
+            and not gg._interpreting()):
+        from linrnn_kernels.moe import dequant
+
+        return moe_experts(x, topk_weights, topk_ids, dequant.dequantize(w13, x.dtype),
+                           dequant.dequantize(w2, x.dtype))
     if T > MAX_CHUNK_TOKENS and configs is None:
         for lo in range(0, T, MAX_CHUNK_TOKENS):
             hi = min(T, lo + MAX_CHUNK_TOKENS)

@@ -1,0 +1,55 @@
+"""NVFP4 -> bf16 expert weights on the device, for large token counts (prefill).
+
+With hundreds of tokens per expert the grouped GEMM is compute-bound, and the bf16 tensor-core path
+(grouped_gemm.py, dense weights) beats decoding NVFP4 in every tile: experts.moe_experts dequantizes
+the expert stack once per layer call into a bf16 scratch and runs the dense grouped GEMMs on it.
+W = E2M1(code) * (block_scale * row_scale) in f32, then rounded: bit-identical to
+`WeightTensor.dequantize(dtype)` (nvfp4.dequantize), which is the reference in tests.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from linrnn_kernels.quant import WeightTensor
+
+
+@triton.jit
+def _dequant_kernel(packed_ptr, bs_ptr, rs_ptr, out_ptr, rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # byte column
+    r64 = r.to(tl.int64)
+    ok = (r < rows)[:, None] & (kb < K // 2)[None, :]
+    byte = tl.load(packed_ptr + r64[:, None] * (K // 2) + kb[None, :], mask=ok, other=0).to(tl.int32)
+    scale = tl.load(bs_ptr + r64[:, None] * (K // 16) + (kb // 8)[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = scale * tl.load(rs_ptr + r, mask=r < rows, other=0.0)[:, None]
+    vals = []
+    for nib in tl.static_range(2):
+        code = (byte >> (4 * nib)) & 15
+        mag = code & 7
+        # E2M1 magnitude: 0, .5, 1, 1.5, 2, 3, 4, 6
+        v = tl.where(mag < 4, mag.to(tl.float32) * 0.5, tl.where(mag < 6, (mag - 2).to(tl.float32),
+                                                                  (mag * 2 - 8).to(tl.float32)))
+        v = tl.where(code >= 8, -v, v)
+        vals.append((v * s).to(out_ptr.dtype.element_ty))
+    w = tl.reshape(tl.join(vals[0], vals[1]), (BLOCK_R, BLOCK_K))
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + r64[:, None] * K + k[None, :], w, mask=(r < rows)[:, None] & (k < K)[None, :])
+
+
+def dequantize(w: WeightTensor, dtype=torch.bfloat16) -> WeightTensor:
+    """NVFP4 WeightTensor [(E,) N, K/2] -> dense WeightTensor [(E,) N, K] of `dtype` (a new buffer)."""
+    if w.fmt != "nvfp4":
+        raise ValueError(f"dequantize expects nvfp4 weights, got {w.fmt}")
+    *lead, n, kh = w.data.shape
+    K = 2 * kh
+    rows = n
+    for d in lead:
+        rows *= d
+    out = torch.empty(*lead, n, K, dtype=dtype, device=w.data.device)
+    BLOCK_R, BLOCK_K = 16, 128
+    grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(K, BLOCK_K))
+    _dequant_kernel[grid](w.data.contiguous(), w.block_scale.contiguous(), w.row_scale.contiguous(), out, rows, K,
+                          BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4)
+    return WeightTensor("dense", out)
