@@ -16,6 +16,15 @@ from linrnn_kernels.quant import WeightTensor
 
 
 @triton.jit
+def _e2m1(code):
+    """E2M1 code (int32 0..15) -> f32 value: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 = sign."""
+    mag = code & 7
+    v = tl.where(mag < 4, mag.to(tl.float32) * 0.5,
+                 tl.where(mag < 6, (mag - 2).to(tl.float32), (mag * 2 - 8).to(tl.float32)))
+    return tl.where(code >= 8, -v, v)
+
+
+@triton.jit
 def _dequant_kernel(packed_ptr, bs_ptr, rs_ptr, out_ptr, rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # byte column
@@ -24,16 +33,9 @@ def _dequant_kernel(packed_ptr, bs_ptr, rs_ptr, out_ptr, rows, K, BLOCK_R: tl.co
     byte = tl.load(packed_ptr + r64[:, None] * (K // 2) + kb[None, :], mask=ok, other=0).to(tl.int32)
     scale = tl.load(bs_ptr + r64[:, None] * (K // 16) + (kb // 8)[None, :], mask=ok, other=0.0).to(tl.float32)
     s = scale * tl.load(rs_ptr + r, mask=r < rows, other=0.0)[:, None]
-    vals = []
-    for nib in tl.static_range(2):
-        code = (byte >> (4 * nib)) & 15
-        mag = code & 7
-        # E2M1 magnitude: 0, .5, 1, 1.5, 2, 3, 4, 6
-        v = tl.where(mag < 4, mag.to(tl.float32) * 0.5, tl.where(mag < 6, (mag - 2).to(tl.float32),
-                                                                  (mag * 2 - 8).to(tl.float32)))
-        v = tl.where(code >= 8, -v, v)
-        vals.append((v * s).to(out_ptr.dtype.element_ty))
-    w = tl.reshape(tl.join(vals[0], vals[1]), (BLOCK_R, BLOCK_K))
+    lo = (_e2m1(byte & 15) * s).to(out_ptr.dtype.element_ty)  # even k: low nibble
+    hi = (_e2m1(byte >> 4) * s).to(out_ptr.dtype.element_ty)
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_K))
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + r64[:, None] * K + k[None, :], w, mask=(r < rows)[:, None] & (k < K)[None, :])
 

@@ -21,7 +21,7 @@ MMA_MAX_MEAN_PAIRS = 16
 # At and above this mean number of pairs per expert (and on a GPU, activations bf16) NVFP4 experts are
 # dequantized once per layer call into a bf16 scratch and the bf16 grouped GEMM runs on it (prefill:
 # the GEMMs are compute-bound there and bf16 tensor cores need no decode); dequant.py
-DEQUANT_MIN_MEAN_PAIRS = 64
+DEQUANT_MIN_MEAN_PAIRS = 64  # H200, 35B-A3B shapes: B = 2048 1.40 ms with the NVFP4 grouped GEMM, 0.70 bf16
 
 # Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
 # (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
@@ -52,8 +52,9 @@ def moe_configs(num_tokens: int, top_k: int, num_experts: int, inter: int, hidde
 def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 w13: WeightTensor, w2: WeightTensor, *, configs=None, nvfp4_path: str | None = None):
     """Triton twin of naive.moe_experts. `configs` = (gate_up, down) GemmConfigs with equal
-    block_m (default: moe_configs); `nvfp4_path` = "asm" | "triton" | "dot_scaled" (default:
-    nvfp4_gemm_path())."""
+    block_m (default: moe_configs); `nvfp4_path` = "asm" | "triton" | "dot_scaled" forces that
+    grouped-GEMM decode; None or "mma" picks by batch: the MMA-fragment kernel for decode batches
+    (packed weights, Hopper), bf16 dequantization for large ones, else nvfp4_gemm_path()."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
@@ -67,16 +68,18 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     inter = w13.out_features // 2
     gg.check_weight(w13, "w13", E, 2 * inter, H)
     gg.check_weight(w2, "w2", E, H, inter)
-    out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
-    if T == 0:
-        return out
-    if (configs is None and nvfp4_path in (None, "mma") and w13.fmt == "nvfp4" and w2.fmt == "nvfp4" and x.is_cuda
+    if nvfp4_path == "mma":  # the default NVFP4 paths by batch size (the MMA kernel where it can run)
+        nvfp4_path = None
+    if (configs is None and nvfp4_path is None and w13.fmt == "nvfp4" and w2.fmt == "nvfp4" and x.is_cuda
             and x.dtype == torch.bfloat16 and T * top_k >= DEQUANT_MIN_MEAN_PAIRS * E
             and not gg._interpreting()):
         from linrnn_kernels.moe import dequant
 
         return moe_experts(x, topk_weights, topk_ids, dequant.dequantize(w13, x.dtype),
                            dequant.dequantize(w2, x.dtype))
+    out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
     if T > MAX_CHUNK_TOKENS and configs is None:
         for lo in range(0, T, MAX_CHUNK_TOKENS):
             hi = min(T, lo + MAX_CHUNK_TOKENS)
@@ -85,7 +88,7 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
         return out
     x = x.contiguous()
     P = T * top_k
-    if (configs is None and nvfp4_path in (None, "mma") and w13.packed is not None and w2.packed is not None
+    if (configs is None and nvfp4_path is None and w13.packed is not None and w2.packed is not None
             and P <= MMA_MAX_MEAN_PAIRS * E and x.dtype == torch.bfloat16 and nvfp4_mma.available(x.device)):
         return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out)
     cfg13, cfg2 = configs or moe_configs(T, top_k, E, inter, H, w13.fmt, w2.fmt, x.device)
