@@ -26,18 +26,23 @@ def _e2m1(code):
 
 @triton.jit
 def _dequant_kernel(packed_ptr, bs_ptr, rs_ptr, out_ptr, rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_R, BLOCK_K] of W: contiguous byte loads, one scale load per 16 codes (broadcast in
+    registers), contiguous bf16 stores."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # byte column
     r64 = r.to(tl.int64)
-    ok = (r < rows)[:, None] & (kb < K // 2)[None, :]
-    byte = tl.load(packed_ptr + r64[:, None] * (K // 2) + kb[None, :], mask=ok, other=0).to(tl.int32)
-    scale = tl.load(bs_ptr + r64[:, None] * (K // 16) + (kb // 8)[None, :], mask=ok, other=0.0).to(tl.float32)
-    s = scale * tl.load(rs_ptr + r, mask=r < rows, other=0.0)[:, None]
-    lo = (_e2m1(byte & 15) * s).to(out_ptr.dtype.element_ty)  # even k: low nibble
-    hi = (_e2m1(byte >> 4) * s).to(out_ptr.dtype.element_ty)
-    w = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_K))
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + r64[:, None] * K + k[None, :], w, mask=(r < rows)[:, None] & (k < K)[None, :])
+    row_ok = r < rows
+    k0 = tl.program_id(1) * BLOCK_K
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(packed_ptr + r64[:, None] * (K // 2) + kb[None, :],
+                   mask=row_ok[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
+    blk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    scale = tl.load(bs_ptr + r64[:, None] * (K // 16) + blk[None, :],
+                    mask=row_ok[:, None] & (blk < K // 16)[None, :], other=0.0).to(tl.float32)
+    s = scale * tl.load(rs_ptr + r, mask=row_ok, other=0.0)[:, None]
+    v = tl.reshape(tl.join(_e2m1(byte & 15), _e2m1(byte >> 4)), (BLOCK_R, BLOCK_K // 16, 16))  # even k: low nibble
+    w = tl.reshape(v * s[:, :, None], (BLOCK_R, BLOCK_K)).to(out_ptr.dtype.element_ty)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + r64[:, None] * K + k[None, :], w, mask=row_ok[:, None] & (k < K)[None, :])
 
 
 def dequantize(w: WeightTensor, dtype=torch.bfloat16) -> WeightTensor:
@@ -50,7 +55,7 @@ def dequantize(w: WeightTensor, dtype=torch.bfloat16) -> WeightTensor:
     for d in lead:
         rows *= d
     out = torch.empty(*lead, n, K, dtype=dtype, device=w.data.device)
-    BLOCK_R, BLOCK_K = 16, 128
+    BLOCK_R, BLOCK_K = 8, min(512, triton.next_power_of_2(K))
     grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(K, BLOCK_K))
     _dequant_kernel[grid](w.data.contiguous(), w.block_scale.contiguous(), w.row_scale.contiguous(), out, rows, K,
                           BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, num_warps=4)

@@ -364,7 +364,20 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
     the loop, register spills, registers and shared memory of the kernel."""
     import collections
+    import json
     import re
+    import subprocess
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # the interpreter patches triton.language globally once a kernel has run in it, which breaks
+        # real compilation in this process: compile in a clean one
+        args = dict(gated=gated, split=split, units=units, warps=warps, arch=arch, tokens=tokens, groups=groups,
+                    prefetch=prefetch)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        out = subprocess.run([sys.executable, "-m", "linrnn_kernels.moe.nvfp4_mma", json.dumps(args)], env=env,
+                             check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
 
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch)
@@ -394,3 +407,10 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
             "smem_ops_in_loop": sum(v for o, v in ops.items() if o in ("STS", "LDS", "LDSM", "BAR", "STSM")),
             "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
             "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared}
+
+
+if __name__ == "__main__":  # k_loop_stats in a clean process: python -m linrnn_kernels.moe.nvfp4_mma '{"gated": true}'
+    import json
+    import sys
+
+    print(json.dumps(k_loop_stats(**json.loads(sys.argv[1]))))
