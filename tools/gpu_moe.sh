@@ -15,7 +15,7 @@ timeout ${T_TESTS:-240} python3 -m pytest -q -m gpu tests/test_nvfp4_mma.py -p n
   --sets 3 --rep ${REP:-150} ${BENCH_ARGS:-} --out $OUT/moe 2>&1 | grep -vE "leaked|nanobind|^ - |Warning|warn" | tail -40
 if [ -n "${PREFILL:-}" ]; then  # large token counts: the dequantize-to-bf16 path vs the old kernel vs bf16
   timeout ${T_PREFILL:-150} python3 -m linrnn_bench.kernels.moe --variants nvfp4/mma,nvfp4/asm,bf16/ours \
-    --batch-sizes 1024,2048,4096,8192 --sets 1 --rep 100 --out $OUT/moe_prefill 2>&1 \
+    --batch-sizes 2048,4096,8192 --sets 1 --rep 100 --out $OUT/moe_prefill 2>&1 \
     | grep -vE "leaked|nanobind|^ - |Warning|warn|^\{" | tail -14
 fi
 if [ -n "${ENGINE:-}" ]; then  # the engine: NVFP4 dummy 35B-A3B, batched decode vs vLLM 0.26, profile at npl 1 and 128

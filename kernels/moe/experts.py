@@ -21,7 +21,10 @@ MMA_MAX_MEAN_PAIRS = 16
 # At and above this mean number of pairs per expert (and on a GPU, activations bf16) NVFP4 experts are
 # dequantized once per layer call into a bf16 scratch and the bf16 grouped GEMM runs on it (prefill:
 # the GEMMs are compute-bound there and bf16 tensor cores need no decode); dequant.py
-DEQUANT_MIN_MEAN_PAIRS = 64  # H200, 35B-A3B shapes: B = 2048 1.40 ms with the NVFP4 grouped GEMM, 0.70 bf16
+# H200, 35B-A3B shapes (results/kernels/moe/prefill): the dequantization costs ~0.88 ms per layer call;
+# B = 2048 (64 pairs per expert): 1.41 ms NVFP4 grouped GEMM vs 1.57 dequant + bf16 (a loss);
+# B = 4096 (128): 2.16 vs 1.93; B = 8192: 4.23 vs 2.99
+DEQUANT_MIN_MEAN_PAIRS = 128
 
 # Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
 # (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
