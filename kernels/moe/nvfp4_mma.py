@@ -35,9 +35,10 @@ except ImportError:  # pragma: no cover
 
 from linrnn_kernels.moe import nvfp4_layout as lay
 
-# default tile (measured on the H200, results/kernels/moe/moe_mma_prefetch_*): 2 units (128 k) per K
-# step, two steps per loop iteration with the next step's codes in flight
-DEFAULT_UNITS = 2
+# default tile (measured on the H200, results/kernels/moe/moe_mma_*: the (tokens, warps, units, groups,
+# prefetch) sweep): 1 unit (64 k) per K step, two steps per loop iteration with the next step's codes
+# in flight, 48 registers
+DEFAULT_UNITS = 1
 DEFAULT_PREFETCH = True
 TOKENS = (8, 16)  # MMA N: tokens per expert block (16: two n8 MMAs share each decoded A fragment)
 
