@@ -75,7 +75,7 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
         nvfp4_path = None
     if (configs is None and nvfp4_path is None and w13.fmt == "nvfp4" and w2.fmt == "nvfp4" and x.is_cuda
             and x.dtype == torch.bfloat16 and T * top_k >= DEQUANT_MIN_MEAN_PAIRS * E
-            and not gg._interpreting()):
+            and not gg._interpreting() and gg.nvfp4_gemm_path(x.device) != "dot_scaled"):  # sm_100: FP4 MMA
         from linrnn_kernels.moe import dequant
 
         return moe_experts(x, topk_weights, topk_ids, dequant.dequantize(w13, x.dtype),
