@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import gc
 import json
@@ -49,6 +50,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from linrnn_bench.floor import ModelBytes, copy_bandwidth
+from linrnn_bench.plotting import pyplot
 
 # BENCH.md, "The peer to beat: vLLM 0.26.0 on one H200 (measured 2026-11-22)": Qwen3.5-35B-A3B shapes,
 # dummy weights, CUDA graphs, f32 SSM state, PP=128, TG=128; npl -> S_TG (t/s).
@@ -57,7 +59,8 @@ VLLM_H200_S_TG = {
     "nvfp4": {1: 219, 8: 1258, 32: 3386, 64: 4991, 128: 7797},  # Marlin W4A16 NVFP4 experts
 }
 VLLM_PP, VLLM_TG = 128, 128
-CONFIG_KEYS = ("model", "load-format", "dtype", "ssm-bf16-tau", "enforce-eager", "label", "peer-row")
+CONFIG_KEYS = ("model", "load-format", "dtype", "ssm-bf16-tau", "enforce-eager", "label", "peer-row", "tp", "ep")
+COMM_STEPS = 4  # eager decode steps per row with every collective timed (tensor / expert parallel only)
 _T0 = time.perf_counter()
 
 
@@ -76,18 +79,24 @@ class BenchConfig:
     enforce_eager: bool = False
     label: str = ""
     peer_row: str = "auto"  # auto | nvfp4 | bf16 (which vLLM column --vllm-ref compares with)
+    tp: int = 1  # tensor-parallel ranks
+    ep: bool = False  # expert-parallel MoE over the tp ranks
 
     def __post_init__(self):
+        self.tp, self.ep = int(self.tp), bool(self.ep)
         if not self.label:
             name = os.path.basename(os.path.normpath(self.model))
             self.label = f"{name} " + ("f32 state" if math.isinf(self.ssm_bf16_tau) else f"tau={self.ssm_bf16_tau:g}")
+            if self.tp > 1:
+                self.label += f" {'EP' if self.ep else 'TP'}{self.tp}"
         if self.peer_row not in ("auto", "nvfp4", "bf16"):
             raise ValueError(f"peer-row must be auto, nvfp4 or bf16, got {self.peer_row!r}")
 
     @property
     def weights_key(self) -> tuple:
-        """Configurations with the same key share one loaded model."""
-        return (self.model, self.load_format, self.dtype)
+        """Configurations with the same key share one loaded model (never a sharded one: its other
+        ranks live in worker processes that end with the engine)."""
+        return (self.model, self.load_format, self.dtype) if self.tp == 1 else (id(self),)
 
 
 def parse_bool(v: str) -> bool:
@@ -107,13 +116,15 @@ def parse_config(spec: str, defaults: BenchConfig) -> BenchConfig:
         key = key.strip().replace("_", "-")
         if key not in CONFIG_KEYS:
             raise ValueError(f"--config {spec!r}: unknown key {key!r} (keys: {', '.join(CONFIG_KEYS)})")
-        if not eq and key != "enforce-eager":
+        if not eq and key not in ("enforce-eager", "ep"):
             raise ValueError(f"--config {spec!r}: {key!r} needs a value ({key}=...)")
         value = value.strip()
         if key == "ssm-bf16-tau":
             kw["ssm_bf16_tau"] = float(value)
-        elif key == "enforce-eager":
-            kw["enforce_eager"] = parse_bool(value)
+        elif key in ("enforce-eager", "ep"):
+            kw[key.replace("-", "_")] = parse_bool(value)
+        elif key == "tp":
+            kw["tp"] = int(value)
         else:
             kw[key.replace("-", "_")] = value
     if not kw.get("model"):
@@ -126,11 +137,12 @@ def build_configs(args) -> list[BenchConfig]:
     taus = [float(t) for t in str(args.ssm_bf16_tau).split(",") if t.strip()]
     if not models or not taus:
         raise ValueError("--model and --ssm-bf16-tau need at least one value")
+    par = dict(tp=args.tensor_parallel_size, ep=args.enable_expert_parallel)
     base = BenchConfig(models[0], args.load_format, args.dtype, taus[0], args.enforce_eager,
-                       peer_row=args.peer_row)
+                       peer_row=args.peer_row, **par)
     if args.config:
         return [parse_config(s, base) for s in args.config]
-    return [BenchConfig(m, args.load_format, args.dtype, t, args.enforce_eager, peer_row=args.peer_row)
+    return [BenchConfig(m, args.load_format, args.dtype, t, args.enforce_eager, peer_row=args.peer_row, **par)
             for m in models for t in taus]
 
 
@@ -240,15 +252,43 @@ def measure(eng, npp: int, ntg: int, npl: int, seed: int, tag: str) -> dict:
     t_tg = time.perf_counter() - t0
     decoded = sch.stats.generation_tokens - gen0
     preempted = sch.stats.num_preemptions - pre0
+    comm = measure_comm(eng, npl)
     finish(eng, ids)
     row = {"PP": npp, "TG": ntg, "B": npl, "N_KV": npl * (npp + ntg), "T_PP": t_pp, "S_PP": npl * npp / t_pp,
            "T_TG": t_tg, "S_TG": npl * ntg / t_tg, "S": npl * (npp + ntg) / (t_pp + t_tg),
            "ms_per_step": 1e3 * t_tg / ntg, "prefill_steps": steps_pp, "decoded_tokens": decoded,
-           "preemptions": preempted, "complete": decoded == npl * ntg and running == npl and preempted == 0}
+           "preemptions": preempted, "complete": decoded == npl * ntg and running == npl and preempted == 0,
+           **comm}
     if not row["complete"]:
         log(f"WARNING: B={npl}: {decoded} of {npl * ntg} tokens decoded in the timed steps ({running} running, "
             f"{preempted} preemptions): the row is not a clean lockstep batch")
     return row
+
+
+def measure_comm(eng, npl: int) -> dict:
+    """Tensor / expert parallel: COMM_STEPS more decode steps, eager, with every collective of rank 0
+    timed (synchronised before and after): communication ms per step, bytes per step, and the
+    all-reduce bandwidth (algorithm and bus: x 2 (N - 1) / N, as nccl-tests). {} for one rank."""
+    ex = eng.executor
+    if not hasattr(ex, "set_comm_timing"):
+        return {}
+    ex.set_comm_timing(True)
+    try:
+        _sync(eng)
+        t0 = time.perf_counter()
+        for _ in range(COMM_STEPS):
+            eng.step()
+        _sync(eng)
+        wall = time.perf_counter() - t0
+        st = copy.deepcopy(ex.comm_stats())
+    finally:
+        ex.set_comm_timing(False)
+    n = ex.parallel.tensor_parallel_size
+    ar = st.by_op.get("all_reduce", [0, 0, 0.0])
+    alg = ar[1] / ar[2] if ar[2] else 0.0
+    return {"comm_ms_per_step": 1e3 * st.seconds / COMM_STEPS, "comm_calls_per_step": st.calls / COMM_STEPS,
+            "comm_bytes_per_step": st.bytes / COMM_STEPS, "comm_eager_ms_per_step": 1e3 * wall / COMM_STEPS,
+            "allreduce_algbw_GBs": alg / 1e9, "allreduce_busbw_GBs": alg * 2 * (n - 1) / n / 1e9}
 
 
 def add_floor(row: dict, mb: ModelBytes, bw: float) -> None:
@@ -356,7 +396,8 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
     ec = EngineConfig(model=c.model, load_format=c.load_format, dtype=c.dtype, max_num_seqs=shape["max_num_seqs"],
                       max_num_batched_tokens=shape["max_num_batched_tokens"], max_model_len=shape["max_model_len"],
                       gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=c.enforce_eager,
-                      ssm_bf16_tau=c.ssm_bf16_tau, seed=args.seed)
+                      ssm_bf16_tau=c.ssm_bf16_tau, seed=args.seed, tensor_parallel_size=c.tp,
+                      enable_expert_parallel=c.ep)
     source = "reusing the loaded weights" if cached_model is not None else f"loading {c.model} ({c.load_format})"
     graphs = "all buckets" if shape["graph_sizes"] is None else shape["graph_sizes"]
     log(f"config '{c.label}': building the engine ({source}; CUDA graphs for {graphs})")
@@ -372,7 +413,9 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
            "state_f32_fraction": eng.caches.state.f32_fraction(), "head_map": eng.head_map_description,
            "state_bytes_per_seq": eng.caches.state.bytes_per_seq(), "cuda_graphs": eng.runner.use_graphs,
            "graph_buckets": list(eng.runner.buckets), "graph_capture_s": eng.runner.graphs.capture_seconds,
-           "model_bytes": mb.to_dict(), "rows": [], "profile": []}
+           "model_bytes": mb.to_dict(), "rows": [], "profile": [],
+           "parallel": eng.executor.describe().get("parallel", "TP1"),
+           "comm_backend": eng.executor.describe().get("comm_backend")}
     log(f"engine ready in {engine_s:.1f} s: {res['dtype']}, experts {fmt}, state f32 fraction "
         f"{res['state_f32_fraction']:.2f} ({mb.ssm_state_bytes_per_seq / 2**20:.2f} MiB/seq), non-expert weights "
         f"{mb.nonexpert_weight_bytes / 1e9:.2f} GB, {mb.expert_bytes / 1e6:.2f} MB per expert, graphs "
@@ -395,7 +438,8 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
         for npl in shape["profile"] if profile else []:
             res["profile"].append(profile_decode(eng, npl, npps[0], args.profile_steps, args.profile_top, args.seed))
     finally:
-        model = eng.model
+        model = eng.model if c.tp == 1 else None
+        eng.shutdown()
         del eng
         gc.collect()
     return res, model
@@ -416,6 +460,19 @@ def row_cells(r: dict, peer: bool) -> list[str]:
         cells += [f"{r['vllm_S_TG']}" if r.get("vllm_S_TG") else "-",
                   f"{r['vs_vllm']:.2f}x" if r.get("vs_vllm") else "-"]
     return cells
+
+
+def comm_table(rows: list[dict]) -> str:
+    """Per-step communication of the tensor-parallel rows (COMM_STEPS eager steps, rank 0)."""
+    lines = ["Communication per decode step (eager steps, every collective timed on rank 0):", "",
+             "| B | collectives | MB | comm ms | eager step ms | all-reduce algbw GB/s | busbw GB/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "comm_ms_per_step" in r:
+            lines.append(f"| {r['B']} | {r['comm_calls_per_step']:.0f} | {r['comm_bytes_per_step'] / 1e6:.3f} | "
+                         f"{r['comm_ms_per_step']:.3f} | {r['comm_eager_ms_per_step']:.3f} | "
+                         f"{r['allreduce_algbw_GBs']:.3g} | {r['allreduce_busbw_GBs']:.3g} |")
+    return "\n".join(lines)
 
 
 def format_row(r: dict, peer: bool) -> str:
@@ -510,8 +567,12 @@ def markdown(report: dict, peer: bool) -> str:
                 f"{res['state_bytes_per_seq'] / 2**20:.2f} MiB/seq incl. conv), CUDA graphs "
                 f"{'on ' + str(res['graph_buckets']) if res['cuda_graphs'] else 'off'}; non-expert weights "
                 f"{mb['nonexpert_weight_bytes'] / 1e9:.3f} GB, {mb['expert_bytes'] / 1e6:.3f} MB per expert x "
-                f"{mb['num_moe_layers']} layers; engine built in {res['engine_s']:.1f} s", "",
+                f"{mb['num_moe_layers']} layers; engine built in {res['engine_s']:.1f} s"
+                + (f"; {res['parallel']} over {res['comm_backend']} (weights, state and floor per rank)"
+                   if res.get("parallel", "TP1") != "TP1" else ""), "",
                 format_table(res["rows"], peer)]
+        if any("comm_ms_per_step" in r for r in res["rows"]):
+            out += ["", comm_table(res["rows"])]
         for prof in res.get("profile") or []:
             out += ["", format_profile(prof)]
     if len(report["configs"]) > 1:
@@ -522,11 +583,10 @@ def markdown(report: dict, peer: bool) -> str:
 
 
 def plot(path: str, report: dict, peer: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
+    plt = pyplot(path)
+    if plt is None:
+        return
+    import matplotlib.ticker
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     peers_drawn = set()
@@ -594,9 +654,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid-state threshold(s): heads with decay timescale <= tau keep bf16 state "
                         "(inf: all f32, 0: all bf16); a comma list runs each in turn")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks to shard the model over (GPUs; CPU processes with the CPU)")
+    e.add_argument("--enable-expert-parallel", action="store_true", help="with -tp N: partition the routed experts")
     e.add_argument("--config", action="append", default=None, metavar="SPEC",
                    help="a configuration 'model=...,ssm-bf16-tau=...,load-format=...,dtype=...,enforce-eager=..."
-                        ",label=...,peer-row=...' (repeat for several; replaces the --model x --ssm-bf16-tau product, "
+                        ",label=...,peer-row=...,tp=N,ep=true' (repeat for several; replaces the --model x --ssm-bf16-tau product, "
                         "unset keys default to the flags)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest npl")
     e.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -28,6 +28,7 @@ import time
 import torch
 
 from linrnn_bench.kl_stats import KLAccumulator, KLResult, chunks, scored_positions
+from linrnn_bench.plotting import pyplot
 
 log = logging.getLogger("kl-gate")
 
@@ -235,11 +236,9 @@ def table(results: dict[int, KLResult], max_kld: float, min_top: float) -> str:
 
 
 def plot(path: str, series: dict[str, dict[int, KLResult]], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(path)
+    if plt is None:
+        return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name, res in series.items():
         xs = list(res)
@@ -289,6 +288,8 @@ def run(args) -> int:
     ref_cfg = parse_config(args.ref, base)
     t0 = time.time()
     report = {"args": vars(args), "ref": ref_cfg.label(), "runs": []}
+    plots: list[tuple[str, dict, str]] = []  # drawn after the JSON / markdown are written
+    tables: list[str] = []
 
     if args.sweep_tau:
         taus = [float(t) for t in args.sweep_tau.split(",")]
@@ -309,13 +310,16 @@ def run(args) -> int:
             print(f"tau={tau:g}: f32 heads {100 * info['f32_fraction']:.1f} %, state "
                   f"{info['state_bytes_per_seq'] / 2**20:.2f} MiB/seq, gate {'pass' if ok else 'FAIL'}", flush=True)
             print(table(res, args.max_mean_kld, args.min_same_top_p), flush=True)
+            tables.append(f"tau={tau:g}: f32 heads {100 * info['f32_fraction']:.1f} %, gate {'pass' if ok else 'FAIL'}"
+                          f"\n\n{table(res, args.max_mean_kld, args.min_same_top_p)}\n")
         passing = [r for r in rows if r["pass"]]
         best = min(passing, key=lambda r: r["f32_fraction"]) if passing else None
         report.update(sweep=rows, picked_tau=best["tau"] if best else None)
         print(f"picked tau: {best['tau']:g} (f32 fraction {100 * best['f32_fraction']:.1f} %)" if best
               else "no tau passes the gate")
-        if out_dir:
-            plot(os.path.join(out_dir, "kl_tau_sweep.png"), series, f"KL gate tau sweep vs {ref_cfg.label()}")
+        tables.append(f"picked tau: {best['tau']:g}\n" if best else "no tau passes the gate\n")
+        plots.append((os.path.join(out_dir or "", "kl_tau_sweep.png"), series,
+                      f"KL gate tau sweep vs {ref_cfg.label()}"))
         status = 0 if best else 1
     else:
         if not args.test and not args.save_ref:
@@ -347,15 +351,16 @@ def run(args) -> int:
         report["pass"] = ok
         print(f"KL gate {'PASS' if ok else 'FAIL'} (mean KLD < {args.max_mean_kld:g}, same top p >= "
               f"{100 * args.min_same_top_p:g} % at every n_ctx)")
-        if out_dir:
-            plot(os.path.join(out_dir, "kl_gate.png"), {report.get("test", "ref"): res},
-                 f"KL gate: {report.get('test', '')} vs {report['ref']}")
-            with open(os.path.join(out_dir, "kl_gate.md"), "w") as f:
-                f.write(f"ref: {report['ref']}  \ntest: {report.get('test')}\n\n" + table(
-                    res, args.max_mean_kld, args.min_same_top_p) + "\n")
+        tables.append(table(res, args.max_mean_kld, args.min_same_top_p) + "\n")
+        plots.append((os.path.join(out_dir or "", "kl_gate.png"), {report.get("test", "ref"): res},
+                      f"KL gate: {report.get('test', '')} vs {report['ref']}"))
         status = 0 if ok else 1
     report["seconds"] = time.time() - t0
     if out_dir:
         with open(os.path.join(out_dir, "kl_gate.json"), "w") as f:
             json.dump(report, f, indent=1, default=str)
+        with open(os.path.join(out_dir, "kl_gate.md"), "w") as f:
+            f.write(f"ref: {report['ref']}  \ntest: {report.get('test')}\n\n" + "\n".join(tables))
+        for path, series, title in plots:  # last: an optional extra must not cost the results
+            plot(path, series, title)
     return status

@@ -180,10 +180,24 @@ def run(args) -> int:
     model = args.model
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if model is None:
-        model = httpx.get(base + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    lo, hi = (int(x) for x in args.token_id_range.split(","))
+        try:
+            r = httpx.get(base + "/v1/models", headers=headers, timeout=30)
+            model = r.json()["data"][0]["id"]
+        except httpx.HTTPError as e:
+            raise SystemExit(f"bench serve: cannot reach {base}/v1/models: {e}") from None
+        except (ValueError, KeyError, IndexError):
+            raise SystemExit(f"bench serve: {base}/v1/models answered {r.status_code} without a model list "
+                             f"(--api-key? --model?)") from None
+    try:
+        lo, hi = (int(x) for x in args.token_id_range.split(","))
+        concurrencies = [int(c) for c in str(args.max_concurrency).split(",")]
+    except ValueError:
+        raise SystemExit(f"bench serve: --max-concurrency and --token-id-range take comma lists of integers, got "
+                         f"{args.max_concurrency!r} and {args.token_id_range!r}") from None
+    if min(concurrencies) < 1:
+        raise SystemExit(f"bench serve: --max-concurrency values must be >= 1, got {args.max_concurrency!r}")
     rows = []
-    for conc in [int(c) for c in str(args.max_concurrency).split(",")]:
+    for conc in concurrencies:
         n = args.num_prompts or max(8, 4 * conc)
         n_warm = args.warmup * conc
         prompts = random_prompts(n + n_warm, args.input_len, args.seed, (lo, hi))

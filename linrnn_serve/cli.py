@@ -2,6 +2,10 @@
 
 Each subcommand lives with the code it drives and exposes `add_arguments(parser)` and
 `run(args) -> int`; they are imported lazily so `linrnn-serve synth` never imports the server.
+User errors a subcommand raises (a missing or unsuitable input, an existing output directory, a
+file it cannot read or write: the `USER_ERRORS` classes) print as one line,
+`linrnn-serve CMD: error: ...`, with exit status 2, as argparse does for bad flags; anything else
+is a bug and keeps its traceback.
 This module is the top of the import graph (it may import server and benchmarks).
 """
 from __future__ import annotations
@@ -43,7 +47,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"linrnn-serve {cmd}", description=SUBCOMMANDS[cmd][1])
     module.add_arguments(parser)
     args = parser.parse_args(argv)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except user_errors() as e:
+        print(f"linrnn-serve {cmd}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the user asked for something impossible", not "the program is broken"."""
+    from linrnn_serve.checkpoint.errors import CheckpointError
+    from linrnn_serve.config import ConfigError
+    from linrnn_serve.engine.tokenizer import TokenizerError
+    from linrnn_serve.presets import ModelResolutionError
+
+    return (CheckpointError, ConfigError, TokenizerError, ModelResolutionError, FileNotFoundError,
+            FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 if __name__ == "__main__":

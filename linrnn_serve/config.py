@@ -303,3 +303,5 @@ class EngineConfig:
     max_queue_len: int = 1024  # waiting requests beyond this are refused (HTTP 503)
     served_model_name: str | None = None
     num_kv_blocks: int | None = None  # override the memory-budget computation (tests)
+    tensor_parallel_size: int = 1  # ranks (GPUs, or CPU processes) the model is sharded over (parallel.py)
+    enable_expert_parallel: bool = False  # with tensor_parallel_size > 1: partition the routed experts

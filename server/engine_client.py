@@ -75,6 +75,10 @@ class EngineClient:
         s = self.token_bytes(tid).decode("utf-8", errors="replace")
         return s if s or self.knows(tid) else f"<|unknown:{tid}|>"
 
+    def is_special(self, tid: int) -> bool:
+        """A special added token (left out of the text when skip_special_tokens)."""
+        return tid in (getattr(self.tokenizer, "special_ids", None) or ())
+
     def knows(self, tid: int) -> bool:
         max_id = getattr(self.tokenizer, "max_id", None)
         return max_id is None or 0 <= tid <= max_id

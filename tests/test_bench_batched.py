@@ -187,3 +187,27 @@ def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(SystemExit, match="unknown key"):
         batched.main(["--config", "model=tiny,bogus=1"])
     assert batched.prefill_steps_bound(128, 128, 16384) == 4  # one step prefills all 128 prompts
+
+
+def test_config_parsing_parallel():
+    base = batched.BenchConfig("tiny")
+    c = batched.parse_config("model=tiny,tp=2,ep", base)
+    assert (c.tp, c.ep, c.label) == (2, True, "tiny f32 state EP2")
+    assert batched.parse_config("model=tiny,tp=2", base).weights_key != batched.parse_config("model=tiny,tp=2",
+                                                                                               base).weights_key
+
+
+def test_bench_batched_tensor_parallel_cpu(tmp_path, monkeypatch, one_thread):
+    """-tp 2 on the CPU (gloo): the table says TP2 and the communication table counts one all-reduce
+    per sublayer + the embedding's, and the lm_head's all-gather (4 layers: 10 per step)."""
+    monkeypatch.setenv("LINRNN_SERVE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    rc = batched.main(["--model", "tiny", "--npp", "8", "--ntg", "2", "--npl", "2", "--warmup-steps", "0",
+                       "--tensor-parallel-size", "2", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    (res,) = json.loads((out / "batched.json").read_text())["configs"]
+    assert res["parallel"] == "TP2" and res["comm_backend"] == "gloo"
+    (row,) = res["rows"]
+    assert row["complete"] and row["comm_calls_per_step"] == 10 and row["comm_ms_per_step"] > 0
+    assert row["comm_bytes_per_step"] == 2 * 128 * 4 * 9 + 2 * (8192 // 2) * 4  # 9 all-reduces + 1 all-gather
+    assert "Communication per decode step" in (out / "batched.md").read_text()

@@ -72,6 +72,9 @@ def test_default_preset(caplog):
 @pytest.mark.parametrize("name,model_type,experts,quantized", [
     ("qwen35moe-nvfp4", "qwen3_5_moe", 256, True),
     ("qwen35moe-bf16", "qwen3_5_moe", 256, False),
+    ("qwen35moe-122b-nvfp4", "qwen3_5_moe", 256, True),
+    ("qwen35moe-397b-nvfp4", "qwen3_5_moe", 512, True),
+    ("qwen35moe-397b-bf16", "qwen3_5_moe", 512, False),
     ("qwen3-next-nvfp4", "qwen3_next", 512, True),
     ("qwen3-next-bf16", "qwen3_next", 512, False),
 ])
@@ -147,3 +150,26 @@ def test_hub_download_uses_patterns(monkeypatch, tmp_path):
     resolve_model("someone/tiny-model", load_format="dummy")
     assert "*.safetensors" not in calls[1][1]  # dummy weights: configs and tokenizer only
     shutil.rmtree(src)
+
+
+@pytest.mark.parametrize("name,billions,tp", [("qwen35moe-122b-bf16", 122, 2), ("qwen35moe-397b-nvfp4", 397, 4)])
+def test_large_preset_sizes(name, billions, tp):
+    """Text parameters within 3 % of the release's name (docs/large_presets.md), and the shapes split
+    over the GPUs they need (tensor and expert parallel)."""
+    import math
+
+    from linrnn_serve.checkpoint.synth import tensor_defs
+    from linrnn_serve.parallel import Shard, local_config
+
+    cfg = resolve_model(name, load_format="dummy").cfg
+    total = sum(math.prod(d.stack_shape) for d in tensor_defs(cfg, fused_experts=True, mtp_layers=0))
+    assert abs(total / 1e9 - billions) / billions < 0.03, total
+    for ep in (False, True):
+        lc = local_config(cfg, Shard(tp - 1, tp, ep))
+        assert lc.num_attention_heads * tp == cfg.num_attention_heads
+        assert lc.linear_num_value_heads * tp == cfg.linear_num_value_heads
+
+
+def test_dummy_only_preset_refuses_download():
+    with pytest.raises(presets.ModelResolutionError, match="--load-format dummy"):
+        resolve_model("qwen35moe-122b-nvfp4")

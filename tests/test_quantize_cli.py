@@ -44,6 +44,9 @@ def ct_out(release, tmp_path_factory):
 
 def test_layout_and_side_files(release, ct_out):
     t, src = _tensors(ct_out), _tensors(release)
+    modes = {fn: os.stat(os.path.join(ct_out, fn)).st_mode & 0o777 for fn in os.listdir(ct_out)}
+    assert len(set(modes.values())) == 1, modes  # shards written like the side files (0644 under umask 022)
+    assert any(fn.endswith(".safetensors") for fn in modes)
     cfg = ModelConfig.from_pretrained(release)
     E = cfg.num_experts
     P = "model.language_model.layers.0.mlp."
@@ -136,10 +139,17 @@ def test_modelopt_layout_qwen3_next_all_linear(tmp_path):
     assert os.path.exists(os.path.join(out, "model.safetensors"))  # one shard: no index
 
 
-def test_refuses_existing_output_and_quantized_input(release, ct_out, tmp_path):
-    with pytest.raises(CheckpointError, match="exists"):
-        main(["quantize", "--in", release, "--out", ct_out, "--format", "modelopt", "--no-progress"])
+def test_refuses_existing_output_and_quantized_input(release, ct_out, tmp_path, capsys):
+    """User errors are one line on stderr with exit status 2 (tests/test_cli_errors.py runs the console
+    script in a subprocess for the no-traceback check); the library function raises CheckpointError."""
+    assert main(["quantize", "--in", release, "--out", ct_out, "--format", "modelopt", "--no-progress"]) == 2
+    assert "output directory exists" in capsys.readouterr().err
+    assert main(["quantize", "--in", ct_out, "--out", str(tmp_path / "x"), "--format", "modelopt",
+                 "--no-progress"]) == 2
+    assert "already quantized" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    from linrnn_serve.checkpoint.quantize import quantize_checkpoint
     with pytest.raises(CheckpointError, match="already quantized"):
-        main(["quantize", "--in", ct_out, "--out", str(tmp_path / "x"), "--format", "modelopt", "--no-progress"])
+        quantize_checkpoint(ct_out, str(tmp_path / "x"), "modelopt")
     with pytest.raises(SystemExit):
         main(["quantize", "--in", release, "--out", str(tmp_path / "y"), "--format", "gguf"])

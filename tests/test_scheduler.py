@@ -91,6 +91,9 @@ class CharDetok:
     def update(self, t):
         return chr(ord("a") + t % 26)
 
+    def flush(self):
+        return ""
+
 
 def make(max_num_seqs=8, budget=32, max_model_len=128, block_size=4, num_blocks=None, detok=True):
     blocks_needed = max_num_seqs * -(-max_model_len // block_size) + 1
@@ -289,6 +292,28 @@ def test_visible_text_holds_back_stop_prefix():
         sch.postprocess(p := sch.schedule(), runner.execute(p))
     assert seq.visible_text() == seq.text[:-3]
     run(sch, runner)
+
+
+@pytest.mark.parametrize("stop", [["zzzzzzzzzz"], ["q"], ["zzzzzzzzzz", "bc"]])
+def test_visible_text_only_grows(stop):
+    """Streamed text is never taken back: each step's visible text extends the previous one, also
+    while the text is shorter than the held-back stop-string prefix (issue #18), and the final text
+    extends the last visible one."""
+    sch, runner = make()
+    for i in range(4):
+        sch.add_request(req(f"g{i}", 3 + i, max_tokens=12, ignore_eos=True, stop=stop))
+    seqs = {}
+    shown: dict[str, list[str]] = {}
+    while sch.has_unfinished():
+        plan = sch.schedule()
+        for r in sch.postprocess(plan, runner.execute(plan)):
+            for s in r.seqs:
+                seqs[r.request_id] = s
+                shown.setdefault(r.request_id, []).append(s.visible_text())
+    for rid, texts in shown.items():
+        for a, b in zip(texts, texts[1:]):
+            assert b.startswith(a), (rid, texts)
+        assert texts[-1] == seqs[rid].text
 
 
 def test_prompt_logprobs_chunks_cover_prompt_once():

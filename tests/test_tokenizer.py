@@ -117,6 +117,12 @@ def test_incremental_detokenizer(tok, kind):
     byte_ids = [table.index(bytes([x])) for x in b]
     d = detok()
     assert [d.update(i) for i in byte_ids] == ["", "", "你"]
+    # a character cut off at the end is reported as U+FFFD by flush() (as vLLM / OpenAI), not dropped
+    d = detok()
+    assert "".join(d.update(i) for i in tok.encode("ab")) == "ab"
+    assert [d.update(i) for i in byte_ids[:2]] == ["", ""]
+    assert d.flush() == "\ufffd"
+    assert d.flush() == ""
 
 
 def test_decode_skips_unknown_and_special(tok):

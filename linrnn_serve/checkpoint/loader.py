@@ -26,7 +26,8 @@ class WeightLoader:
     """Places checkpoint tensors (by HF name) into a model built by models.build_model."""
 
     def __init__(self, model: torch.nn.Module, skip_mtp: bool = True):
-        self.model, self.cfg, self.skip_mtp = model, model.cfg, skip_mtp
+        # a tensor-parallel rank's model is checked against its slice's config (parallel.local_config)
+        self.model, self.cfg, self.skip_mtp = model, getattr(model, "local_cfg", model.cfg), skip_mtp
         self.params = dict(model.named_parameters())
         self.covered: dict[str, torch.Tensor] = {}  # param -> bool over its row dims
         self.loaded_from: dict[str, str] = {}
@@ -178,22 +179,54 @@ class WeightLoader:
         return True
 
 
+def _slicer(model):
+    """The rank's ShardSlicer for a tensor-parallel model shard, else None."""
+    shard = getattr(model, "shard", None)
+    if shard is None or not shard.parallel:
+        return None
+    from linrnn_serve.checkpoint.sharding import ShardSlicer
+
+    return ShardSlicer(model.cfg, shard)
+
+
 def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, progress: bool = True,
                     skip_mtp: bool = True) -> None:
+    """Load a safetensors checkpoint; a tensor-parallel shard reads only its slice of each tensor
+    from the memory-mapped files (checkpoint/sharding.py)."""
     reader = CheckpointReader(path)
     loader = WeightLoader(model, skip_mtp)
+    slicer = _slicer(model)
     with tqdm(total=reader.nbytes(), unit="B", unit_scale=True, desc="Loading checkpoint",
               disable=not progress) as bar:
-        for name, t, fn in reader.iter_tensors():
-            loader.load(name, t, os.path.join(str(path), fn))
-            bar.update(tensor_nbytes(t))
+        if slicer is None:
+            for name, t, fn in reader.iter_tensors():
+                loader.load(name, t, os.path.join(str(path), fn))
+                bar.update(tensor_nbytes(t))
+        else:
+            for name, lazy, fn in reader.iter_lazy():
+                if skipped(canonical_name(name), skip_mtp):
+                    continue
+                try:
+                    got = slicer.take(name, lazy)
+                except ValueError as e:
+                    raise CheckpointError(f"{os.path.join(str(path), fn)}: {e}") from None
+                if got is not None:
+                    loader.load(got[0], got[1], os.path.join(str(path), fn))
+                    bar.update(tensor_nbytes(got[1]))
     loader.finish(str(path))
 
 
 def load_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str,
                  progress: bool = False) -> None:
-    """Load from an in-memory stream of (HF name, tensor): `--load-format dummy` and tests."""
+    """Load from an in-memory stream of (HF name, tensor): `--load-format dummy` and tests. A
+    tensor-parallel shard keeps its slice of each."""
     loader = WeightLoader(model)
+    slicer = _slicer(model)
     for name, t in tqdm(tensors, desc="Initialising weights", disable=not progress):
+        if slicer is not None:
+            got = slicer.take(name, t)
+            if got is None:
+                continue
+            name, t = got
         loader.load(name, t, source)
     loader.finish(source)

@@ -48,6 +48,13 @@ log = logging.getLogger(__name__)
 FORMATS = ("modelopt", "compressed-tensors")
 SCOPES = ("experts", "experts+shared", "all-linear")
 PRODUCER = {"name": "linrnn-serve", "version": "0.1.0"}
+def _file_mode() -> int:
+    """What open() gives the json / tokenizer files written beside the shards (0644 under umask 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 EXPERT_CHUNK = 16  # experts quantized at once from a fused 3-D tensor (bounds f32 temporaries)
 
 _L = r"model\.layers\.(\d+)\."
@@ -72,9 +79,25 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    quantize_checkpoint(args.src, args.dst, args.format, args.scope, parse_size(args.max_shard_size),
+    """User errors (missing or already-quantized input, existing output) raise CheckpointError: the
+    console script prints them as one line with exit status 2."""
+    quantize_checkpoint(_input_dir(args.src), args.dst, args.format, args.scope, parse_size(args.max_shard_size),
                         overwrite=args.overwrite, progress=not args.no_progress)
     return 0
+
+
+def _input_dir(src: str) -> str:
+    """--in as a directory: preset names are resolved so that `--in default` says what it is."""
+    if os.path.isdir(src):
+        return src
+    from linrnn_serve import presets  # function-local: presets rank above checkpoint
+
+    if src == "default" and presets.default_model_dir():
+        return presets.default_model_dir()  # the embedded model: refused below as already quantized
+    if src in presets.PRESETS:
+        raise CheckpointError(f"--in {src}: a preset name, not a checkpoint directory (write one with "
+                              f"`linrnn-serve synth --preset ... --out DIR` first)")
+    raise CheckpointError(f"--in {src}: no such checkpoint directory")
 
 
 def parse_size(s: str | int) -> int:
@@ -210,6 +233,7 @@ class _ShardWriter:
             return
         tmp = f"tmp-{len(self.files):05d}.safetensors"
         save_file(self.buf, os.path.join(self.out, tmp), metadata={"format": "pt"})
+        os.chmod(os.path.join(self.out, tmp), _file_mode())  # safetensors writes 0600; the side files are 0644
         self.files.append((tmp, list(self.buf)))
         self.buf, self.size = {}, 0
 
@@ -235,6 +259,8 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, scope: str = "experts+shar
         raise ValueError(f"--format {fmt!r}: expected one of {FORMATS}")
     if scope not in SCOPES:
         raise ValueError(f"--scope {scope!r}: expected one of {SCOPES}")
+    if not os.path.isdir(src):
+        raise CheckpointError(f"--in {src}: no such checkpoint directory")
     cfg = ModelConfig.from_pretrained(src)
     if cfg.quantization:
         raise CheckpointError(f"{src}: already quantized (config.json has quantization_config); "

@@ -74,8 +74,48 @@ class CheckpointReader:
                         raise CheckpointError(f"{os.path.join(self.path, fn)}: cannot read tensor {n} ({e})") from e
                     yield n, t, fn
 
+    def iter_lazy(self):
+        """Yield (name, LazyTensor, file) like iter_tensors, without reading: the caller reads the
+        parts it needs (rank-sliced loading, checkpoint/sharding.py)."""
+        by_file = defaultdict(list)
+        for n, fn in self.file_of.items():
+            by_file[fn].append(n)
+        for fn in sorted(by_file):
+            with self._open(fn) as f:
+                present = set(f.keys())
+                for n in by_file[fn]:
+                    if n not in present:
+                        raise CheckpointError(f"{os.path.join(self.path, fn)}: tensor {n} listed in {INDEX} "
+                                              f"is not in the file")
+                    yield n, LazyTensor(f, n, os.path.join(self.path, fn)), fn
+
     def nbytes(self) -> int:
         return sum(os.path.getsize(os.path.join(self.path, fn)) for fn in set(self.file_of.values()))
+
+
+class LazyTensor:
+    """A memory-mapped checkpoint tensor not read yet: `.shape`, `lazy[idx]` reads only the indexed
+    rows / columns (safetensors `get_slice`), `read()` the whole tensor."""
+
+    def __init__(self, f, name: str, path: str):
+        self._f, self.name, self.path = f, name, path
+        try:
+            self._slice = f.get_slice(name)
+            self.shape = tuple(self._slice.get_shape())
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from e
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        try:
+            return self._slice[idx]
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor {self.name} ({e})") from e
+
+    def read(self) -> torch.Tensor:
+        try:
+            return self._f.get_tensor(self.name)
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor {self.name} ({e})") from e
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:

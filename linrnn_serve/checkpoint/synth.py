@@ -99,6 +99,29 @@ def qwen35moe_35b_a3b_config(dtype: str = "bfloat16") -> dict[str, Any]:
     }
 
 
+def _qwen35moe_scaled(dtype: str, **text) -> dict[str, Any]:
+    """A larger Qwen3.5-MoE release: the 35B-A3B config.json with the text fields that differ
+    (same family: vocabulary, RoPE, GDN head dims, conv kernel, MTP, special ids)."""
+    hf = qwen35moe_35b_a3b_config(dtype)
+    hf["text_config"].update(text, layer_types=_layer_types(text["num_hidden_layers"]))
+    hf["vision_config"]["out_hidden_size"] = text["hidden_size"]
+    return hf
+
+
+def qwen35moe_122b_a10b_config(dtype: str = "bfloat16") -> dict[str, Any]:
+    """Qwen3.5-122B-A10B text shapes (sources per field: docs/large_presets.md)."""
+    return _qwen35moe_scaled(dtype, hidden_size=3072, num_hidden_layers=48, num_attention_heads=32,
+                             linear_num_value_heads=64, num_experts=256, num_experts_per_tok=8,
+                             moe_intermediate_size=1024, shared_expert_intermediate_size=1024)
+
+
+def qwen35moe_397b_a17b_config(dtype: str = "bfloat16") -> dict[str, Any]:
+    """Qwen3.5-397B-A17B text shapes (sources per field: docs/large_presets.md)."""
+    return _qwen35moe_scaled(dtype, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
+                             linear_num_value_heads=64, num_experts=512, num_experts_per_tok=10,
+                             moe_intermediate_size=1024, shared_expert_intermediate_size=1024)
+
+
 def qwen3_next_80b_a3b_config(dtype: str = "bfloat16") -> dict[str, Any]:
     """Qwen3-Next-80B-A3B-Instruct config.json (SPEC §1.11): flat; layer_types derived from the interval."""
     return {
@@ -161,10 +184,14 @@ ARCHITECTURES = {
     "tiny": tiny_config,
     "tiny-next": tiny_next_config,
     "qwen35moe-35b-a3b": qwen35moe_35b_a3b_config,
+    "qwen35moe-122b-a10b": qwen35moe_122b_a10b_config,
+    "qwen35moe-397b-a17b": qwen35moe_397b_a17b_config,
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b_config,
 }
 _REAL_GENERATION_IDS = {  # bos, eos list, pad of the real releases (chat eos first)
     "qwen35moe-35b-a3b": (None, [248046, 248044], 248044),
+    "qwen35moe-122b-a10b": (None, [248046, 248044], 248044),  # same tokenizer as 35B-A3B (assumed)
+    "qwen35moe-397b-a17b": (None, [248046, 248044], 248044),
     "qwen3-next-80b-a3b": (151643, [151645, 151643], 151643),
 }
 

@@ -102,6 +102,12 @@ class AsyncLLMEngine:
         return self.engine.config
 
     @property
+    def dead(self) -> BaseException | None:
+        """Why the engine loop stopped on its own (an error, a lost worker); None while it runs or
+        after a requested shutdown."""
+        return self._dead
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None and not self._stopping
 
@@ -207,6 +213,7 @@ class AsyncLLMEngine:
                     continue
                 if self._stop:
                     break
+                eng.check_health()  # a lost tensor-parallel worker stops the loop even while idle
                 if not self._checked_idle:
                     self._checked_idle = True
                     if self.idle_integrity_check:
@@ -226,6 +233,10 @@ class AsyncLLMEngine:
                 self._deliver(rid, EngineDeadError(f"the engine loop failed: {e!r}"))
         finally:
             self._stopping = True
+            try:
+                eng.shutdown()
+            except Exception:  # noqa: BLE001 -- best effort: the loop is ending anyway
+                log.exception("engine shutdown failed")
 
     def _drain(self) -> None:
         eng = self.engine

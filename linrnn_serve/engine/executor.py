@@ -16,9 +16,11 @@ worker: load_model -> determine_budget -> (executor agrees on one budget: the mi
 -> init_caches(budget) -> capture_graphs.
 
     UniProcExecutor   one in-process Worker (one GPU, or the CPU): the default
-    (tensor parallel) one Worker process per GPU; register it with `register_executor(name, cls)`
-                      and select it with `Executor.create(..., kind=name)`; every rank gets the same
-                      StepPlan, rank 0 returns the StepResult.
+    MultiprocExecutor tensor / expert parallel (engine/multiproc_executor.py): rank 0 in process,
+                      one Worker process per further GPU (or CPU rank); every rank gets the same
+                      StepPlan, rank 0 returns the StepResult. Chosen when
+                      config.tensor_parallel_size > 1 (or `Executor.create(..., kind=name)` for any
+                      kind added with `register_executor(name, cls)`).
 """
 from __future__ import annotations
 
@@ -46,7 +48,13 @@ class Executor(abc.ABC):
     @staticmethod
     def create(config: EngineConfig, model_config: ModelConfig, model_dir: str | None, device: torch.device,
                dtype: torch.dtype, max_model_len: int, calibration_tokens: list[int] | None = None,
-               progress: bool = True, kind: str = "uniproc") -> "Executor":
+               progress: bool = True, kind: str | None = None) -> "Executor":
+        if kind is None:
+            kind = "multiproc" if config.tensor_parallel_size > 1 else "uniproc"
+        if kind == "multiproc" and kind not in _EXECUTORS:
+            from linrnn_serve.engine.multiproc_executor import MultiprocExecutor
+
+            register_executor("multiproc", MultiprocExecutor)
         try:
             cls = _EXECUTORS[kind]
         except KeyError:

@@ -228,6 +228,14 @@ class LLMEngine:
         self._observe_finish(req, time.monotonic())
         return self._output(req)
 
+    def check_health(self) -> None:
+        """Raise if a worker is gone (tensor-parallel worker processes; in-process workers cannot be)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Release the workers (stops tensor-parallel worker processes)."""
+        self.executor.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

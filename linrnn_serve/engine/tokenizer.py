@@ -12,7 +12,8 @@ environment with trim_blocks / lstrip_blocks, loop controls, `raise_exception`, 
 a `tojson` filter (ensure_ascii=False) and the `{% generation %}` tag, with the special tokens
 (bos_token, eos_token, ...) and any extra kwargs (e.g. enable_thinking) in scope.
 
-The incremental detokenizer never emits half a multi-byte character and ignores ids the
+The incremental detokenizer never emits half a multi-byte character (its `flush()` at the end of
+a sequence reports a still-incomplete one as U+FFFD, as vLLM and OpenAI do) and ignores ids the
 tokenizer does not know (random-weight models with a padded vocab sample those). For byte-level
 BPE tokenizers (Qwen's) it maps each token to its bytes and feeds an incremental UTF-8 decoder:
 O(1) per token. Other tokenizers use the prefix/read-offset re-decoding scheme of HF TGI / vLLM.
@@ -215,6 +216,13 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def flush(self) -> str:
+        """The text still held back (an incomplete character decodes to U+FFFD); call once at the end."""
+        prefix_text = self.t.decode(self.ids[self.prefix:self.read], self.skip)
+        new_text = self.t.decode(self.ids[self.prefix:], self.skip)
+        self.prefix = self.read = len(self.ids)
+        return new_text[len(prefix_text):] if new_text.startswith(prefix_text) else ""
+
 
 class ByteLevelDetokenizer:
     """Byte-level BPE: token -> bytes -> incremental UTF-8 decoder (holds back partial characters)."""
@@ -234,6 +242,10 @@ class ByteLevelDetokenizer:
         if at is None or (at.special and self.skip):
             return ""
         return self.utf8.decode(b"", final=True) + at.content
+
+    def flush(self) -> str:
+        """Bytes of an incomplete trailing character, as U+FFFD (what vLLM and OpenAI return)."""
+        return self.utf8.decode(b"", final=True)
 
 
 def _is_byte_level(tok) -> bool:

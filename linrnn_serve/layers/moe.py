@@ -64,9 +64,17 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt=lambda name: DenseWeights):
+    """`experts` (parallel.ExpertShard): the routed experts held here when they are partitioned over
+    ranks (expert parallel): routing is over all of them; the experts of other ranks get weight 0
+    and a local id, so every rank's output is its own experts' share of the sum (all-reduced by the
+    model). cfg is the rank's local config (intermediate sizes already split under TP)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fmt=lambda name: DenseWeights, experts=None):
         super().__init__()
-        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.num_experts = experts.total if experts is not None else cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.expert_first = experts.first if experts is not None and experts.partitioned else 0
+        self.partitioned = experts is not None and experts.partitioned
         self.renormalize = cfg.norm_topk_prob
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         parts = [("router", self.num_experts)] + ([("shared_gate", 1)] if self.has_shared else [])
@@ -79,8 +87,17 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         topk_w, topk_ids = moe_ops.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+        if self.partitioned:
+            topk_w, topk_ids = self._local_routes(topk_w, topk_ids)
         # transformers casts the routing weights to the activation dtype before use
         y = self.experts(x, topk_w.to(x.dtype), topk_ids)
         if self.has_shared:
             y = y + torch.sigmoid(logits[:, self.num_experts:]) * self.shared_expert(x)
         return y
+
+    def _local_routes(self, topk_w, topk_ids):
+        """Routes to other ranks' experts -> weight 0 on local expert 0 (static shapes, no host sync;
+        adds an exact 0, so the all-reduced sum equals the unpartitioned one up to summation order)."""
+        local = topk_ids - self.expert_first
+        mine = (local >= 0) & (local < self.experts.w13.experts)
+        return torch.where(mine, topk_w, 0.0), torch.where(mine, local, 0).to(topk_ids.dtype)

@@ -44,9 +44,10 @@ def quant_plan(cfg: ModelConfig):
 
 
 def load_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, device, load_format: str = "auto",
-               progress: bool = True, seed: int = 0):
+               progress: bool = True, seed: int = 0, shard=None):
+    """The model, or with a parallel.Shard this rank's shard of it (loading only its slice)."""
     device = torch.device(device)
-    model = build_model(cfg, dtype, device, quant_plan(cfg))
+    model = build_model(cfg, dtype, device, quant_plan(cfg), shard=shard)
     if load_format == "dummy":
         from linrnn_serve.checkpoint.loader import load_tensors
         from linrnn_serve.checkpoint.synth import dummy_tensors

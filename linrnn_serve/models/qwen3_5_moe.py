@@ -7,6 +7,12 @@
 
 The forward runs one flattened varlen batch (linrnn_serve/batch.py) against the caches' per-layer
 views; the same code serves prefill, chunked prefill and decode, on CPU (reference ops) and GPU.
+
+Tensor / expert parallel (linrnn_serve/parallel.py): built with a `Shard`, the layers are those of
+`local_config(cfg, shard)` (this rank's heads, intermediate slices, experts, vocab rows); each
+mixer and MLP output is a partial sum, all-reduced once per sublayer here; the embedding is
+vocab-parallel (all-reduce) and the lm_head too (all-gather: every rank gets full logits rows).
+`self.cfg` stays the whole model's config, `self.local_cfg` is the slice's.
 """
 from __future__ import annotations
 
@@ -20,11 +26,14 @@ from linrnn_serve.layers.gdn import GatedDeltaNet
 from linrnn_serve.layers.linear import DenseWeights, Linear
 from linrnn_serve.layers.moe import MLP, SparseMoE
 from linrnn_serve.layers.norms import ZCRMSNorm
+from linrnn_serve.parallel import SINGLE, Shard, expert_shard, local_config
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, dtype: torch.dtype, quant):
+    def __init__(self, cfg: ModelConfig, i: int, dtype: torch.dtype, quant, shard: Shard = SINGLE, experts=None):
+        """`cfg` is this rank's local config; `experts` the ExpertShard of its routed experts."""
         super().__init__()
+        self.shard = shard
         # storage format of each HF module of this layer (dense unless the checkpoint quantizes it)
         fmt = (lambda name: quant.format_of(f"model.layers.{i}.{name}")) if quant else (lambda name: DenseWeights)
         self.is_gdn = cfg.layer_types[i] == "linear_attention"
@@ -35,7 +44,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, dtype, fmt)
         if cfg.is_moe_layer(i):
-            self.mlp = SparseMoE(cfg, dtype, fmt)
+            self.mlp = SparseMoE(cfg, dtype, fmt, experts)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fmt)
 
@@ -43,20 +52,24 @@ class DecoderLayer(nn.Module):
         """(sublayer output, residual stream): each norm is fused with the preceding residual add."""
         mixer = self.linear_attn if self.is_gdn else self.self_attn
         x, residual = self.input_layernorm(h, residual)
-        h = mixer(x, batch, st)
+        h = self.shard.all_reduce(mixer(x, batch, st))
         x, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(x), residual
+        return self.shard.all_reduce(self.mlp(x)), residual
 
 
 class HybridMoEForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant=None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant=None, shard: Shard = SINGLE):
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+        self.cfg, self.dtype, self.shard = cfg, dtype, shard
+        self.local_cfg = lc = local_config(cfg, shard)
+        self.vocab_start = shard.rank * lc.vocab_size
+        self.embed_tokens = nn.Parameter(torch.empty(lc.vocab_size, cfg.hidden_size, dtype=dtype),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, quant) for i in range(cfg.num_hidden_layers))
+        experts = expert_shard(cfg, shard)
+        self.layers = nn.ModuleList(DecoderLayer(lc, i, dtype, quant, shard, experts)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = ZCRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype,
+        self.lm_head = Linear(cfg.hidden_size, lc.vocab_size, dtype,
                               quant.format_of("lm_head") if quant else DenseWeights)
         # global layer index -> index into the GDN state pool / the paged KV cache
         self.gdn_index = {li: n for n, li in enumerate(cfg.gdn_layers)}
@@ -74,11 +87,20 @@ class HybridMoEForCausalLM(nn.Module):
             idx = batch.last_token_indices()
         if idx is not None:
             h = h.index_select(0, idx)
-        return self.lm_head(h)
+        logits = self.lm_head(h)
+        return self.shard.comm.all_gather_last(logits) if self.shard.parallel else logits
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.shard.parallel:
+            return self.embed_tokens[ids]
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.local_cfg.vocab_size)
+        e = self.embed_tokens[torch.where(mine, local, 0)]
+        return self.shard.all_reduce(torch.where(mine[:, None], e, torch.zeros((), dtype=e.dtype, device=e.device)))
 
     def hidden_states(self, batch: ForwardBatch, caches) -> torch.Tensor:
         """Final-normed hidden states [T, H]."""
-        h, residual = self.embed_tokens[batch.input_ids], None
+        h, residual = self.embed(batch.input_ids), None
         for i, layer in enumerate(self.layers):
             st = caches.gdn_layer(self.gdn_index[i]) if layer.is_gdn else caches.attn_layer(self.attn_index[i])
             h, residual = layer(h, residual, batch, st)

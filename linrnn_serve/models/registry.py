@@ -12,7 +12,10 @@ def model_class(cfg: ModelConfig):
     return HybridMoEForCausalLM
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", quant=None):
-    """Construct the model with uninitialised weights directly on `device` (no init compute)."""
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", quant=None, shard=None):
+    """Construct the model (this rank's shard of it, given a parallel.Shard) with uninitialised
+    weights directly on `device` (no init compute)."""
     with torch.device(device):
-        return model_class(cfg)(cfg, dtype, quant=quant)
+        if shard is None:
+            return model_class(cfg)(cfg, dtype, quant=quant)
+        return model_class(cfg)(cfg, dtype, quant=quant, shard=shard)

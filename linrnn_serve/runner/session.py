@@ -15,7 +15,7 @@ class Session:
     def __init__(self, model, max_seqs: int, max_len: int, block_size: int = 16,
                  bf16_heads: list[list[bool]] | None = None):
         self.model, self.block_size = model, block_size
-        cfg = model.cfg
+        cfg = getattr(model, "local_cfg", model.cfg)  # a tensor-parallel shard's caches hold its heads
         device = next(model.parameters()).device
         self.device = device
         blocks_per_seq = -(-max_len // block_size)

@@ -35,9 +35,14 @@ log = logging.getLogger(__name__)
 class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str | None,
                  device: torch.device, dtype: torch.dtype, max_model_len: int, rank: int = 0, world_size: int = 1,
-                 progress: bool = True):
+                 progress: bool = True, shard=None):
+        """`shard` (parallel.Shard): this rank's place in a tensor-parallel group; the worker then
+        holds the model's shard and caches of its heads (model.local_cfg)."""
         self.config, self.model_config, self.model_dir = config, model_config, model_dir
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
+        self.shard = shard
+        if shard is not None:
+            rank, world_size = shard.rank, shard.world_size
         self.rank, self.world_size, self.progress = rank, world_size, progress
         self.model = None
         self.bf16_heads = None
@@ -51,8 +56,11 @@ class Worker:
     def load_model(self, calibration_tokens: list[int] | None = None) -> None:
         c = self.config
         t0 = time.perf_counter()
+        if calibration_tokens and self.world_size > 1:
+            raise ValueError("--ssm-calibration is not supported with tensor parallelism yet (the weights-only "
+                             "head map is)")
         self.model = load_model(self.model_config, self.model_dir, self.dtype, self.device, c.load_format,
-                                progress=self.progress, seed=c.seed)
+                                progress=self.progress, seed=c.seed, shard=self.shard)
         self.weights_seconds = time.perf_counter() - t0
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.bf16_heads, self.head_map_description = build_head_map(self.model, c.ssm_bf16_tau, self.model_dir,
@@ -62,7 +70,7 @@ class Worker:
         c = self.config
         peak = self._profile_activation_peak() if self.device.type == "cuda" and c.num_kv_blocks is None else None
         return compute_budget(
-            self.model_config, device=self.device, act_dtype=self.dtype, kv_dtype=self.dtype,
+            self.local_config, device=self.device, act_dtype=self.dtype, kv_dtype=self.dtype,
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, block_size=c.block_size,
             gpu_memory_utilization=c.gpu_memory_utilization, bf16_heads=self.bf16_heads,
             num_kv_blocks=c.num_kv_blocks, activation_peak=peak, max_num_batched_tokens=c.max_num_batched_tokens,
@@ -70,15 +78,33 @@ class Worker:
 
     def init_caches(self, budget: CacheBudget) -> None:
         c = self.config
-        state = HybridStateCache(self.model_config, budget.num_state_slots, self.dtype, self.device, self.bf16_heads)
-        kv = PagedKVCache(self.model_config, budget.num_kv_blocks, c.block_size, self.dtype, self.device)
+        state = HybridStateCache(self.local_config, budget.num_state_slots, self.dtype, self.device, self.bf16_heads)
+        kv = PagedKVCache(self.local_config, budget.num_kv_blocks, c.block_size, self.dtype, self.device)
         self.caches = ModelCaches(state, kv)
         self.runner = ModelRunner(self.model, self.caches, max_num_seqs=c.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=c.block_size,
                                   enforce_eager=c.enforce_eager, progress=self.progress)
 
+    @property
+    def local_config(self) -> ModelConfig:
+        """The config of the part this worker holds (the whole model unless tensor parallel)."""
+        return getattr(self.model, "local_cfg", self.model_config)
+
     def capture_graphs(self) -> None:
         self.runner.capture_graphs()
+
+    def set_comm_timing(self, on: bool) -> None:
+        """Time each collective (parallel.Communicator.stats). A replayed CUDA graph runs no Python,
+        so decode runs eagerly meanwhile (the same kernels and collectives, launched one by one)."""
+        comm = self.shard.comm if self.shard is not None else None
+        if comm is None:
+            return
+        comm.timed = on
+        comm.stats.reset()
+        if on:
+            self._graphs_were_on, self.runner.use_graphs = self.runner.use_graphs, False
+        else:
+            self.runner.use_graphs = getattr(self, "_graphs_were_on", self.runner.use_graphs)
 
     # ---- every step ----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:

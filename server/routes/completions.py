@@ -6,6 +6,7 @@ tokens' logprobs, the first being null.
 """
 from __future__ import annotations
 
+import codecs
 import logging
 import time
 from typing import AsyncIterator
@@ -40,18 +41,31 @@ def _prompts(eng: EngineClient, prompt) -> tuple[list[list[int]], list[str | Non
 
 
 class _LogprobBuilder:
-    """Appends tokens to a CompletionLogprobs, keeping text_offset running across stream chunks."""
+    """Appends tokens to a CompletionLogprobs, keeping text_offset running across stream chunks.
 
-    def __init__(self, eng: EngineClient, offset: int = 0):
-        self.eng, self.offset = eng, offset
+    A token's text_offset is where its text starts in the choice's text: the length of the text the
+    tokens before it decode to (an incomplete UTF-8 character counts once it is complete), so offsets
+    never pass the text even when single tokens hold partial characters (shown as U+FFFD in `tokens`)."""
+
+    def __init__(self, eng: EngineClient, offset: int = 0, skip_special_tokens: bool = True):
+        self.eng, self.offset, self.skip = eng, offset, skip_special_tokens
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def restart(self, offset: int) -> None:
+        self.offset = offset
+        self.utf8.reset()
+
+    def _advance(self, tid: int) -> None:
+        if self.skip and self.eng.is_special(tid):
+            return
+        self.offset += len(self.utf8.decode(self.eng.token_bytes(tid)))
 
     def add(self, into: CompletionLogprobs, token_ids: list[int], entries: list[dict[int, float] | None],
             first_is_null: bool = False) -> CompletionLogprobs:
         for j, (tid, d) in enumerate(zip(token_ids, entries)):
-            tok = self.eng.token_str(tid)
-            into.tokens.append(tok)
+            into.tokens.append(self.eng.token_str(tid))
             into.text_offset.append(self.offset)
-            self.offset += len(tok)
+            self._advance(tid)
             if d is None or (first_is_null and j == 0):
                 into.token_logprobs.append(None)
                 into.top_logprobs.append(None)
@@ -103,11 +117,13 @@ def _choice(eng: EngineClient, req: CompletionRequest, pi: int, ro: RequestOutpu
     prefix = _echo_text(eng, prompt_text, ro.prompt_token_ids) if req.echo else ""
     if req.logprobs is not None:
         logprobs = CompletionLogprobs()
-        b = _LogprobBuilder(eng)
+        b = _LogprobBuilder(eng, skip_special_tokens=req.skip_special_tokens)
         if req.echo:
             b.add(logprobs, ro.prompt_token_ids, ro.prompt_logprobs or [None] * len(ro.prompt_token_ids), True)
-            b.offset = len(prefix)
+            b.restart(len(prefix))
         b.add(logprobs, c.token_ids, c.logprobs or [])
+        # tokens past a stop string (cut from the text) start at the text's end
+        logprobs.text_offset = [min(o, len(prefix) + len(text)) for o in logprobs.text_offset]
     return CompletionChoice(index=pi * req.num_samples + c.index, text=prefix + text, logprobs=logprobs,
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
@@ -142,12 +158,12 @@ async def _stream(gen: Generation, req: CompletionRequest, model: str, created: 
                 prefix = _echo_text(eng, texts[pi], ro.prompt_token_ids) if req.echo and first else ""
                 logprobs = None
                 if req.logprobs is not None:
-                    b = builders.setdefault(idx, _LogprobBuilder(eng))
+                    b = builders.setdefault(idx, _LogprobBuilder(eng, skip_special_tokens=req.skip_special_tokens))
                     logprobs = CompletionLogprobs()
                     if req.echo and first:
                         b.add(logprobs, ro.prompt_token_ids,
                               ro.prompt_logprobs or [None] * len(ro.prompt_token_ids), True)
-                        b.offset = len(prefix)
+                        b.restart(len(prefix))
                     b.add(logprobs, new_ids, (c.logprobs or [])[start_tok:])
                 if not (delta or prefix or c.finished or (logprobs is not None and new_ids)):
                     continue
