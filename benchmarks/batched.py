@@ -51,6 +51,12 @@ import torch
 
 from linrnn_bench.floor import ModelBytes, copy_bandwidth
 from linrnn_bench.plotting import pyplot
+from linrnn_serve.engine_args import EngineArgs
+
+# flags of the serve CLI that mean nothing to a batched decode benchmark
+BENCH_SKIPPED_ENGINE_ARGS = ("served_model_name", "device", "max_queue_len", "chat_template", "reasoning_parser",
+                             "tool_call_parser", "enable_auto_tool_choice", "generation_config",
+                             "override_generation_config")
 
 # BENCH.md, "The peer to beat: vLLM 0.26.0 on one H200 (measured 2026-11-22)": Qwen3.5-35B-A3B shapes,
 # dummy weights, CUDA graphs, f32 SSM state, PP=128, TG=128; npl -> S_TG (t/s).
@@ -389,15 +395,17 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
                ) -> tuple[dict, object]:
     """Build the engine, warm up, time every (npp, ntg, npl), then profile if asked. Returns (result,
     model for reuse)."""
-    from linrnn_serve.config import EngineConfig
+    import dataclasses
+
     from linrnn_serve.engine.llm_engine import LLMEngine
 
     npps, ntgs, npls = shape["npp"], shape["ntg"], shape["npl"]
-    ec = EngineConfig(model=c.model, load_format=c.load_format, dtype=c.dtype, max_num_seqs=shape["max_num_seqs"],
-                      max_num_batched_tokens=shape["max_num_batched_tokens"], max_model_len=shape["max_model_len"],
-                      gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=c.enforce_eager,
-                      ssm_bf16_tau=c.ssm_bf16_tau, seed=args.seed, tensor_parallel_size=c.tp,
-                      enable_expert_parallel=c.ep)
+    ec = dataclasses.replace(
+        EngineArgs.from_cli_args(args), model=c.model, load_format=c.load_format, dtype=c.dtype,
+        max_num_seqs=shape["max_num_seqs"], max_num_batched_tokens=shape["max_num_batched_tokens"],
+        max_model_len=shape["max_model_len"], enforce_eager=c.enforce_eager, ssm_bf16_tau=c.ssm_bf16_tau,
+        tensor_parallel_size=c.tp, enable_expert_parallel=c.ep,
+    ).create_engine_config()
     source = "reusing the loaded weights" if cached_model is not None else f"loading {c.model} ({c.load_format})"
     graphs = "all buckets" if shape["graph_sizes"] is None else shape["graph_sizes"]
     log(f"config '{c.label}': building the engine ({source}; CUDA graphs for {graphs})")
@@ -644,32 +652,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--npp", default="128", help="prompt tokens per sequence")
     g.add_argument("--ntg", default="128", help="generated (timed decode) tokens per sequence")
     g.add_argument("--npl", default="1,8,32,64,128", help="parallel sequences (batch sizes)")
-    e = p.add_argument_group("engine")
-    e.add_argument("--model", default="qwen35moe-nvfp4",
-                   help="preset, checkpoint directory or repo id; a comma list runs each in turn")
-    e.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--ssm-bf16-tau", default="inf",
-                   help="hybrid-state threshold(s): heads with decay timescale <= tau keep bf16 state "
-                        "(inf: all f32, 0: all bf16); a comma list runs each in turn")
-    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks to shard the model over (GPUs; CPU processes with the CPU)")
-    e.add_argument("--enable-expert-parallel", action="store_true", help="with -tp N: partition the routed experts")
+    # the engine flags are the serve CLI's (one definition: linrnn_serve.engine_args), with comma lists for
+    # --model / --ssm-bf16-tau and batch-shaped defaults
+    EngineArgs.add_cli_args(p, skip=BENCH_SKIPPED_ENGINE_ARGS, overrides={
+        "model": {"default": "qwen35moe-nvfp4",
+                  "help": "preset, checkpoint directory or repo id; a comma list runs each in turn"},
+        "ssm_bf16_tau": {"type": str, "default": "inf",
+                         "help": "hybrid-state threshold(s): heads with decay timescale <= tau keep bf16 state "
+                                 "(inf: all f32, 0: all bf16); a comma list runs each in turn"},
+        "max_num_seqs": {"default": None, "help": "default: the largest npl"},
+        "max_num_batched_tokens": {"default": None, "help": "prefill token budget per step (default: all prompts "
+                                   "of the largest batch in one step, at most 16384, at least 2048)"},
+        "max_model_len": {"help": "default: what the rows need (k/m/K/M suffixes)"}})
+    e = p.add_argument_group("bench configurations")
     e.add_argument("--config", action="append", default=None, metavar="SPEC",
                    help="a configuration 'model=...,ssm-bf16-tau=...,load-format=...,dtype=...,enforce-eager=..."
                         ",label=...,peer-row=...,tp=N,ep=true' (repeat for several; replaces the --model x --ssm-bf16-tau product, "
                         "unset keys default to the flags)")
-    e.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest npl")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="prefill token budget per step (default: all prompts of the largest batch in one step, "
-                        "at most 16384, at least 2048)")
-    e.add_argument("--max-model-len", type=int, default=None, help="default: what the rows need")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--graph-sizes", default="npl",
                    help="CUDA-graph batch sizes: 'npl' (only the timed batch sizes: faster start), 'all' "
                         "(the engine's buckets) or a comma list")
-    e.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("run and report")
     r.add_argument("--warmup-steps", type=int, default=4,
                    help="decode steps of the warm-up round run at each batch size before timing (0: none)")

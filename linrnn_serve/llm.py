@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from linrnn_serve.config import EngineConfig
+from linrnn_serve.engine_args import EngineArgs
 from linrnn_serve.engine.llm_engine import LLMEngine
 from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
 from linrnn_serve.sampling_params import SamplingParams
@@ -22,8 +22,10 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 class LLM:
-    def __init__(self, model: str, progress: bool = True, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
+    def __init__(self, model: str = "default", progress: bool = True, **engine_args):
+        """`engine_args`: any EngineArgs field (the serve CLI's flags, underscored: max_model_len="4k",
+        tensor_parallel_size=1, chat_template=..., reasoning_parser="qwen3", ...)."""
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args).create_engine_config(), progress=progress)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

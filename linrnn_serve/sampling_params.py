@@ -39,8 +39,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
-        """Raise ValueError(param, message) style errors for out-of-range values."""
+    def validate(self, max_logprobs: int | None = None) -> None:
+        """Raise ValueError(param, message) style errors for out-of-range values. `max_logprobs`: the
+        engine's --max-logprobs (default MAX_LOGPROBS)."""
+        max_lp = self.MAX_LOGPROBS if max_logprobs is None else max_logprobs
         def bad(param, msg):
             raise SamplingParamError(param, msg)
 
@@ -66,8 +68,8 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= self.MAX_LOGPROBS:
-                bad(name, f"{name} must be in [0, {self.MAX_LOGPROBS}], got {v}")
+            if v is not None and not 0 <= v <= max_lp:
+                bad(name, f"{name} must be in [0, {max_lp}], got {v}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop must be up to 16 non-empty strings")
 

@@ -37,6 +37,7 @@ class ServerState:
     api_key: str | None = None
     active: set[str] = field(default_factory=set)  # engine request ids in flight
     started: float = field(default_factory=time.time)
+    log_requests: bool = False  # one INFO line per request (--disable-log-requests turns it off)
 
     @property
     def model_names(self) -> list[str]:
@@ -72,15 +73,24 @@ def check_model(state: ServerState, name: str | None) -> str:
 
 
 def sampling_params(req, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from the fields /v1/completions and /v1/chat/completions share, validated."""
-    def val(v, default):
-        return default if v is None else v
+                    prompt_logprobs: int | None = None, engine: EngineClient | None = None) -> SamplingParams:
+    """SamplingParams from the fields /v1/completions and /v1/chat/completions share, validated. Fields
+    the request leaves unset take the engine's generation-config defaults, then the OpenAI ones."""
+    defaults = engine.default_sampling_params if engine is not None else {}
+
+    def val(v, default, name=None):
+        if v is not None:
+            return v
+        return defaults.get(name, default) if name else default
+
+    if max_tokens is None and "max_tokens" in defaults:
+        max_tokens = defaults["max_tokens"]
 
     p = SamplingParams(
-        n=req.num_samples, temperature=val(req.temperature, 1.0), top_p=val(req.top_p, 1.0), top_k=val(req.top_k, 0),
-        min_p=val(req.min_p, 0.0), seed=req.seed, presence_penalty=val(req.presence_penalty, 0.0),
-        frequency_penalty=val(req.frequency_penalty, 0.0), repetition_penalty=val(req.repetition_penalty, 1.0),
+        n=req.num_samples, temperature=val(req.temperature, 1.0, "temperature"), top_p=val(req.top_p, 1.0, "top_p"),
+        top_k=val(req.top_k, 0, "top_k"), min_p=val(req.min_p, 0.0, "min_p"), seed=req.seed,
+        presence_penalty=val(req.presence_penalty, 0.0), frequency_penalty=val(req.frequency_penalty, 0.0),
+        repetition_penalty=val(req.repetition_penalty, 1.0, "repetition_penalty"),
         max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_list,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
@@ -88,7 +98,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
     if req.top_k is not None and req.top_k < -1:
         raise bad_request(f"top_k must be -1, 0 or positive, got {req.top_k}", "top_k", "invalid_value")
     try:
-        p.validate()
+        p.validate(engine.max_logprobs if engine is not None else None)
     except SamplingParamError as e:
         raise bad_request(str(e), e.param, "invalid_value") from None
     return p
@@ -156,6 +166,9 @@ class Generation:
 
     async def start(self) -> None:
         eng = self.state.engine
+        if self.state.log_requests:
+            log.info("request %s: %d prompt(s) of %s tokens, params %s", self.base_id, len(self.prompts),
+                     ",".join(str(len(p)) for p in self.prompts), self.params)
         self._iters = [eng.generate(ids, self.params, rid) for ids, rid in zip(self.prompts, self.ids)]
         self.state.active.update(self.ids)
         try:
@@ -255,3 +268,22 @@ def usage_of(outputs: list[RequestOutput]) -> tuple[int, int]:
     """(prompt tokens, completion tokens): each prompt once, every generated token of every sample."""
     return (sum(len(o.prompt_token_ids) for o in outputs),
             sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+async def log_stats_forever(engine: EngineClient, interval: float) -> None:
+    """vLLM's periodic statistics line (off with --disable-log-stats): throughput since the last line,
+    running / waiting requests, cache usage."""
+    last_t, last_p, last_g = time.monotonic(), None, None
+    while True:
+        await asyncio.sleep(interval)
+        s = engine.stats() or {}
+        now = time.monotonic()
+        p, g = s.get("prompt_tokens_total", 0), s.get("generation_tokens_total", 0)
+        dt = max(now - last_t, 1e-9)
+        pt = (p - last_p) / dt if last_p is not None else p / dt
+        gt = (g - last_g) / dt if last_g is not None else g / dt
+        log.info("engine: avg prompt throughput %.1f tokens/s, avg generation throughput %.1f tokens/s, running %d "
+                 "reqs, waiting %d reqs, KV cache usage %.1f%%, state cache usage %.1f%%", pt, gt,
+                 s.get("num_requests_running", 0), s.get("num_requests_waiting", 0),
+                 100 * s.get("kv_cache_usage", 0.0), 100 * s.get("state_cache_usage", 0.0))
+        last_t, last_p, last_g = now, p, g

@@ -98,6 +98,10 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def default_sampling_params(self) -> dict:
+        return self.engine.default_sampling_params
+
+    @property
     def config(self) -> EngineConfig:
         return self.engine.config
 
@@ -131,7 +135,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is shutting down" if self._dead is None else
                                   f"the engine loop stopped: {self._dead!r}")
         params = params if params is not None else SamplingParams()
-        params.validate()
+        params.validate(self.engine.config.max_logprobs)
         eng = self.engine
         text, ids = eng.tokenize_prompt(prompt)
         eng.check_prompt(len(ids), params)

@@ -26,6 +26,7 @@ from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
 from linrnn_serve.engine.outputs import CompletionOutput, EngineFullError, PromptTooLongError, RequestOutput
 from linrnn_serve.engine.tokenizer import Tokenizer
+from linrnn_serve.generation_config import default_sampling_params
 from linrnn_serve.models.loading import resolve_device, resolve_dtype
 from linrnn_serve.sampling_params import SamplingParams
 from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
@@ -33,6 +34,7 @@ from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
+ALLOW_LONG_ENV = "LINRNN_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN works too
 
 
 @dataclass
@@ -79,8 +81,14 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > cfg.max_position_embeddings:
-            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len,
-                        cfg.max_position_embeddings)
+            if os.environ.get(ALLOW_LONG_ENV, os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")) not in ("1", "true"):
+                raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit "
+                                 f"(max_position_embeddings {cfg.max_position_embeddings}); set {ALLOW_LONG_ENV}=1 to "
+                                 f"allow it anyway")
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d (%s=1)", self.max_model_len,
+                        cfg.max_position_embeddings, ALLOW_LONG_ENV)
+        self.default_sampling_params = default_sampling_params(
+            config.generation_config, resolved.model_dir, config.override_generation_config)
         self.tokenizer = self._load_tokenizer(resolved)
 
         calib = None
@@ -203,7 +211,7 @@ class LLMEngine:
                     arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> Request:
         """Queue a request. Raises SamplingParamError, ValueError, PromptTooLongError, EngineFullError."""
         params = params if params is not None else SamplingParams()
-        params.validate()
+        params.validate(self.config.max_logprobs)
         if prompt_token_ids is not None:
             text, ids = (prompt if isinstance(prompt, str) else None), self.tokenize_prompt(prompt_token_ids)[1]
         else:

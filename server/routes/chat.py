@@ -41,18 +41,18 @@ def _token_logprobs(eng: EngineClient, token_ids: list[int], entries: list[dict[
     return out
 
 
-def _params(req: ChatCompletionRequest) -> SamplingParams:
+def _params(req: ChatCompletionRequest, eng: EngineClient) -> SamplingParams:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs", "invalid_value")
-        if not 0 <= req.top_logprobs <= SamplingParams.MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {req.top_logprobs}",
+        if not 0 <= req.top_logprobs <= eng.max_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {eng.max_logprobs}], got {req.top_logprobs}",
                               "top_logprobs", "invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         raise bad_request(f"max_completion_tokens must be a positive integer, got {req.max_completion_tokens}",
                           "max_completion_tokens", "invalid_value")
-    return sampling_params(req, req.max_new_tokens, logprobs)
+    return sampling_params(req, req.max_new_tokens, logprobs, engine=eng)
 
 
 @router.post("/v1/chat/completions")
@@ -62,7 +62,7 @@ async def create_chat_completion(request: Request):
     req = await parse_body(request, ChatCompletionRequest)
     req.check_neutral()
     model = check_model(state, req.model)
-    params = _params(req)
+    params = _params(req, eng)
     text = render_chat_prompt(eng.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
                               req.chat_template_kwargs)
     ids = eng.encode(text, add_special_tokens=False)

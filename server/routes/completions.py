@@ -90,7 +90,8 @@ async def create_completion(request: Request):
     model = check_model(state, req.model)
     prompts, texts = _prompts(eng, req.prompt)
     echo_logprobs = req.echo and req.logprobs is not None
-    params = sampling_params(req, req.max_tokens, req.logprobs, req.logprobs if echo_logprobs else None)
+    params = sampling_params(req, req.max_tokens, req.logprobs, req.logprobs if echo_logprobs else None,
+                             engine=eng)
     for ids in prompts:
         check_prompt(eng, ids, req.max_tokens, params, "prompt")
 
