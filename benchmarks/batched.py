@@ -205,14 +205,22 @@ def _sync(eng) -> None:
         torch.cuda.synchronize(eng.device)
 
 
-def add_batch(eng, tag: str, npp: int, npl: int, seed: int):
+# the structured-output row's grammar: a JSON array of integers never completes, so every timed step
+# fills and applies a real JSON grammar mask
+STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "integer"}}
+
+
+def add_batch(eng, tag: str, npp: int, npl: int, seed: int, structured: bool = False):
     """npl requests of npp random prompt tokens (fixed seed), greedy, ignore_eos, long enough to never
-    finish inside the timed steps (they are aborted afterwards)."""
-    from linrnn_serve.sampling_params import SamplingParams
+    finish inside the timed steps (they are aborted afterwards); `structured`: each constrained by
+    STRUCTURED_SCHEMA (the grammar-mask cost row)."""
+    from linrnn_serve.sampling_params import SamplingParams, StructuredOutputsParams
 
     rng = random.Random(f"{seed}-{npp}-{npl}")
     V = eng.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=eng.max_model_len - npp, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=eng.max_model_len - npp, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(json=STRUCTURED_SCHEMA) if structured
+                            else None)
     ids = []
     for i in range(npl):
         rid = f"{tag}-{i}"
@@ -238,13 +246,13 @@ def finish(eng, ids: list[str]) -> None:
     eng.check_integrity()
 
 
-def measure(eng, npp: int, ntg: int, npl: int, seed: int, tag: str) -> dict:
+def measure(eng, npp: int, ntg: int, npl: int, seed: int, tag: str, structured: bool = False) -> dict:
     """One llama-batched-bench row (times only)."""
     sch = eng.scheduler
     pre0 = sch.stats.num_preemptions
     _sync(eng)
     t0 = time.perf_counter()
-    ids = add_batch(eng, tag, npp, npl, seed)
+    ids = add_batch(eng, tag, npp, npl, seed, structured)
     steps_pp = prefill_all(eng, 10 * prefill_steps_bound(npp, npl, eng.config.max_num_batched_tokens) + 100)
     _sync(eng)
     t_pp = time.perf_counter() - t0
@@ -264,7 +272,7 @@ def measure(eng, npp: int, ntg: int, npl: int, seed: int, tag: str) -> dict:
            "T_TG": t_tg, "S_TG": npl * ntg / t_tg, "S": npl * (npp + ntg) / (t_pp + t_tg),
            "ms_per_step": 1e3 * t_tg / ntg, "prefill_steps": steps_pp, "decoded_tokens": decoded,
            "preemptions": preempted, "complete": decoded == npl * ntg and running == npl and preempted == 0,
-           **comm}
+           "structured": structured, **comm}
     if not row["complete"]:
         log(f"WARNING: B={npl}: {decoded} of {npl * ntg} tokens decoded in the timed steps ({running} running, "
             f"{preempted} preemptions): the row is not a clean lockstep batch")
@@ -443,6 +451,13 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
                     add_peer(row, peer if args.vllm_ref else None)
                     res["rows"].append(row)
                     log(format_row(row, args.vllm_ref))
+                    if args.structured_output:  # the same batch, every sequence grammar-constrained
+                        so = measure(eng, npp, ntg, npl, args.seed, f"so-pp{npp}-tg{ntg}-b{npl}", structured=True)
+                        so["grammar_overhead_pct"] = 100 * (so["ms_per_step"] / row["ms_per_step"] - 1)
+                        so["cuda_graphs"] = eng.runner.use_graphs if hasattr(eng, "runner") else None
+                        res.setdefault("structured_rows", []).append(so)
+                        log(f"  structured output (JSON grammar on every row): {so['ms_per_step']:.2f} ms/step, "
+                            f"{so['grammar_overhead_pct']:+.1f} % vs unconstrained")
         for npl in shape["profile"] if profile else []:
             res["profile"].append(profile_decode(eng, npl, npps[0], args.profile_steps, args.profile_top, args.seed))
     finally:
@@ -675,6 +690,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run and report")
     r.add_argument("--warmup-steps", type=int, default=4,
                    help="decode steps of the warm-up round run at each batch size before timing (0: none)")
+    r.add_argument("--structured-output", action="store_true",
+                   help="after each row, the same batch with every sequence constrained by a JSON grammar "
+                        "(token bitmask in the decode step): ms/step and overhead vs unconstrained")
     r.add_argument("--vllm-ref", action="store_true", help="add BENCH.md's vLLM H200 S_TG and our ratio to it")
     r.add_argument("--peer-row", default="auto", choices=["auto", "nvfp4", "bf16"],
                    help="which vLLM column to compare with (auto: nvfp4 for NVFP4 experts, else bf16)")

@@ -24,7 +24,7 @@ from linrnn_server.auth import require_api_key
 from linrnn_server.engine_client import EngineClient
 from linrnn_server.errors import APIError, http_error, internal
 from linrnn_server.metrics import ServerMetrics
-from linrnn_server.routes import chat, completions, health, metrics, models, tokenize
+from linrnn_server.routes import chat, completions, health, metrics, models, responses, tokenize
 from linrnn_server.serving import ClientDisconnected, ServerState, log_stats_forever
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def build_app(engine: Any, served_model_names: list[str] | None = None, api_key:
     app.include_router(models.router, dependencies=secured)
     app.include_router(completions.router, dependencies=secured)
     app.include_router(chat.router, dependencies=secured)
+    app.include_router(responses.router, dependencies=secured)
     app.include_router(tokenize.router, dependencies=secured)
 
     def render(err: APIError) -> JSONResponse:

@@ -49,6 +49,10 @@ class EngineClient:
         # request fields left unset take these (the checkpoint's generation_config.json, --generation-config)
         self.default_sampling_params: dict[str, Any] = dict(_get(engine, "default_sampling_params", default={}))
         self.config = cfg
+        # --chat-template (a file or the text); None: the checkpoint's own template
+        from linrnn_serve.engine.tokenizer import resolve_chat_template
+
+        self.chat_template: str | None = resolve_chat_template(_get(cfg, "chat_template", default=None))
         self._token_bytes: list[bytes | None] | None = None
 
     # ---- tokenizer ----------------------------------------------------------------------

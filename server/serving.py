@@ -4,6 +4,7 @@ streams, and aborts everything when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from linrnn_serve.engine.outputs import RequestOutput
-from linrnn_serve.sampling_params import SamplingParamError, SamplingParams
+from linrnn_serve.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
 from linrnn_server.engine_client import EngineClient
 from linrnn_server.errors import (APIError, bad_request, from_engine_error, from_validation_error, internal,
                                   model_not_found)
@@ -53,14 +54,17 @@ def new_id(prefix: str) -> str:
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as `model`. Content-Type is not required (curl -d sends a form type)."""
+    """The JSON body as `model`. Content-Type is not required (curl -d sends a form type). Unknown
+    top-level fields of the generation requests are logged and ignored."""
     raw = await request.body()
     if not raw.strip():
         raise bad_request("The request body is empty: send a JSON object.", None, "invalid_json")
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as e:
         raise from_validation_error(e, model.TYPE_HINTS) from None
+    body.warn_unknown(log)
+    return body
 
 
 def check_model(state: ServerState, name: str | None) -> str:
@@ -95,6 +99,12 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens)
+    p.structured_outputs = structured_outputs_of(req)
+    p.allowed_token_ids = list(req.allowed_token_ids) if req.allowed_token_ids is not None else None
+    p.bad_words = list(req.bad_words or [])
+    p.truncate_prompt_tokens = req.truncate_prompt_tokens
+    if req.prompt_logprobs is not None and p.prompt_logprobs is None:
+        p.prompt_logprobs = req.prompt_logprobs
     if req.top_k is not None and req.top_k < -1:
         raise bad_request(f"top_k must be -1, 0 or positive, got {req.top_k}", "top_k", "invalid_value")
     try:
@@ -102,6 +112,63 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
     except SamplingParamError as e:
         raise bad_request(str(e), e.param, "invalid_value") from None
     return p
+
+
+_SO_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
+
+
+def structured_outputs_of(req) -> StructuredOutputsParams | None:
+    """The request's output constraint: response_format, structured_outputs or guided_* (at most one)."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                  "response_format", "invalid_value")
+            found.append(("response_format", StructuredOutputsParams(json=schema if schema is not True else {})))
+        elif kind == "structural_tag":
+            raise bad_request("response_format type 'structural_tag' is not supported (use json_schema, json_object, "
+                              "or structured_outputs regex / choice / grammar)", "response_format",
+                              "unsupported_parameter")
+        elif kind != "text":
+            raise bad_request(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                              "response_format", "invalid_value")
+    if req.structured_outputs:
+        keys = {k for k, v in req.structured_outputs.items() if v not in (None, False)}
+        unknown = keys - _SO_KEYS - {"disable_any_whitespace", "disable_fallback", "whitespace_pattern",
+                                     "disable_additional_properties"}
+        if unknown:
+            raise bad_request(f"structured_outputs keys {sorted(unknown)} are not supported (json, regex, choice, "
+                              f"grammar, json_object)", "structured_outputs", "unsupported_parameter")
+        so = {k: req.structured_outputs[k] for k in keys & _SO_KEYS}
+        found.append(("structured_outputs", StructuredOutputsParams(**so)))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        v = getattr(req, name, None)
+        if v is not None:
+            if name == "guided_json" and isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except json.JSONDecodeError as e:
+                    raise bad_request(f"guided_json is not valid JSON: {e}", name, "invalid_value") from None
+            found.append((name, StructuredOutputsParams(**{key: v})))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"only one output constraint may be given, got {[n for n, _ in found]}", found[1][0],
+                          "invalid_value")
+    name, so = found[0]
+    try:
+        so.kind()
+    except SamplingParamError as e:
+        raise bad_request(str(e), name, "invalid_value") from None
+    return so
 
 
 def check_prompt(engine: EngineClient, ids: list[int], max_tokens: int | None, params: SamplingParams,

@@ -138,6 +138,7 @@ class AsyncLLMEngine:
         params.validate(self.engine.config.max_logprobs)
         eng = self.engine
         text, ids = eng.tokenize_prompt(prompt)
+        ids = eng.prepare_request(ids, params)  # may compile a grammar: StructuredOutputError -> 400
         eng.check_prompt(len(ids), params)
         if params.n > eng.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={eng.config.max_num_seqs}")
