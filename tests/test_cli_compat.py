@@ -49,8 +49,8 @@ def test_max_model_len_auto_and_bad():
 def test_tensor_parallel_size():
     assert config("--tensor-parallel-size", "1").tensor_parallel_size == 1
     assert config("-tp", "1").tensor_parallel_size == 1
-    with pytest.raises(ValueError, match="tensor parallelism is not available yet"):
-        config("-tp", "2")
+    c = config("-tp", "2", "--enable-expert-parallel")
+    assert c.tensor_parallel_size == 2 and c.enable_expert_parallel
 
 
 def test_prefix_and_chunked_prefill_flags():
