@@ -234,3 +234,13 @@ def test_hermes_style_tool_calls():
         assert json.loads(calls[0]["arguments"]) == {"city": "Oslo", "days": 2} and pieces >= 3
     finally:
         s.stop()
+
+
+def test_constrained_answer_in_thinking_mode_is_content(oai):
+    """The grammar applies from the first token: with a template in thinking mode the JSON answer is content."""
+    r = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=32, temperature=0,
+                                    response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                        "type": "object", "properties": {"ok": {"type": "boolean"}},
+                                        "required": ["ok"]}}})
+    m = r.choices[0].message
+    assert m.reasoning_content is None and isinstance(json.loads(m.content)["ok"], bool)

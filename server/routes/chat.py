@@ -81,7 +81,13 @@ class ChatRun:
     tool_parser: str | None
 
     def parser(self) -> ChatOutputParser:
-        return ChatOutputParser(self.reasoning_parser, self.tool_parser if self.tools.mode == "auto" else None,
+        # a JSON grammar constrains the output from its first token, so that answer is never inside a <think>
+        # block, even when the template opened one: parse it as content (the grammar does not wait for the end
+        # of the reasoning, unlike vLLM's; regex / grammar constraints may write their own <think> block)
+        so = self.params.structured_outputs
+        reasoning = None if so is not None and so.kind() in ("json", "json_object") and \
+            self.reasoning_parser in ("qwen3", "deepseek_r1") and _opens_thinking(self) else self.reasoning_parser
+        return ChatOutputParser(reasoning, self.tool_parser if self.tools.mode == "auto" else None,
                                 self.tools.tools, self.prompt_text)
 
 
@@ -106,6 +112,12 @@ def prepare_chat(eng: EngineClient, req: ChatCompletionRequest) -> ChatRun:
                               documents=req.documents)
     ids = eng.encode(text, add_special_tokens=False)
     return ChatRun(ids, params, text, tools, _get(cfg, "reasoning_parser"), _get(cfg, "tool_call_parser"))
+
+
+def _opens_thinking(run: "ChatRun") -> bool:
+    from linrnn_serve.parsers.reasoning import prompt_opens_thinking
+
+    return run.reasoning_parser == "deepseek_r1" or prompt_opens_thinking(run.prompt_text)
 
 
 def _get(cfg, name):
