@@ -380,14 +380,17 @@ def profile_decode(eng, npl: int, npp: int, steps: int, top: int, seed: int) -> 
                     "us_per_step": t / steps} for n, (c, t) in kernels.items()), key=lambda r: -r["total_us"])
     res = {"B": npl, "steps": steps, "wall_ms_per_step": 1e3 * wall / steps,
            "busy_ms_per_step": total / steps / 1e3, "what": what, "note": note, "top": rows[:top],
-           "num_distinct": len(rows)}
+           "num_distinct": len(rows),
+           # every device activity of a step: kernels plus the input copies (memcpy / memset)
+           "launches_per_step": sum(c for c, _ in kernels.values()) / steps}
     print(format_profile(res), flush=True)
     return res
 
 
 def format_profile(p: dict) -> str:
     lines = [f"profile: B={p['B']}, {p['steps']} decode steps, wall {p['wall_ms_per_step']:.3f} ms/step, "
-             f"{p['what']} time {p['busy_ms_per_step']:.3f} ms/step"
+             f"{p['what']} time {p['busy_ms_per_step']:.3f} ms/step, "
+             f"{p.get('launches_per_step', 0):.0f} launches/step"
              + (f" ({100 * p['busy_ms_per_step'] / p['wall_ms_per_step']:.0f}% busy)" if p['wall_ms_per_step'] else ""),
              *([f"note: {p['note']}"] if p["note"] else []),
              f"| {p['what']} | calls/step | us/step | % |", "|---|---:|---:|---:|"]
