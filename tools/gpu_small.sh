@@ -5,7 +5,7 @@
 #   gemv     the `gemv` registry entry: its GPU tests, then skinny GEMM vs cuBLAS over the 35B-A3B dense shapes at
 #            M in 1,2,4,8,16,32 -> gemv.md + skinny_table.json (per-shape max_m: where skinny beats cuBLAS)
 #   batched  bench batched, 35B-A3B NVFP4 dummy, f32 state, npl 1 and 8 (+ profile at npl 1 and 8 with launches/step):
-#            fused kernels with the measured table, then LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 (the old
+#            fused kernels with the measured table, then LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 LINRNN_FUSED_ROPE_KV=0 (the old
 #            kernels) in the same call, then the fused kernels with LINRNN_PDL=1
 #   gdn      the gdn-decode registry entry (all-f32 / all-bf16 / hybrid % of copy), then again with
 #            LINRNN_GDN_BF16_WIDE=1 (bf16 heads on [Dk, 2 bv] tiles)
@@ -31,7 +31,7 @@ TABLE=$R/k/gemv/skinny_table.json
 if has batched; then
   B="python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 64 --npl 1,8 --profile 1,8 --no-progress"
   timeout 110 $B --config 'model=qwen35moe-nvfp4,label=fused' --out $R/b_fused 2>&1 | grep -E "^\| 128|profile:|Error" 
-  LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 timeout 110 $B --config 'model=qwen35moe-nvfp4,label=unfused' \
+  LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 LINRNN_FUSED_ROPE_KV=0 timeout 110 $B --config 'model=qwen35moe-nvfp4,label=unfused' \
     --out $R/b_unfused 2>&1 | grep -E "^\| 128|profile:|Error"
   LINRNN_PDL=1 timeout 110 $B --config 'model=qwen35moe-nvfp4,label=fused+pdl' --out $R/b_pdl 2>&1 \
     | grep -E "^\| 128|profile:|Error"
