@@ -305,3 +305,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the memory-budget computation (tests)
     tensor_parallel_size: int = 1  # ranks (GPUs, or CPU processes) the model is sharded over (parallel.py)
     enable_expert_parallel: bool = False  # with tensor_parallel_size > 1: partition the routed experts
+    enable_prefix_caching: bool = False
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs / top_logprobs a request may ask for
+    # "auto": the checkpoint's generation_config.json gives default sampling params; "vllm": none; or a folder
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # chat front end (server and LLM.chat): template override, output parsers
+    chat_template: str | None = None  # a file path or the template text
+    reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
+    tool_call_parser: str | None = None  # "qwen3_coder" | "hermes"
+    enable_auto_tool_choice: bool = False

@@ -92,6 +92,12 @@ ENTRIES: list[Entry] = [
           "realistic routing",
           ("tests/test_moe_kernels.py",), None,
           "linrnn_bench.kernels.moe", ("--out", "{out}"), est_test_s=120, est_bench_s=180),
+    Entry("gemv", "skinny GEMM / split-K GEMV (+ fused router) vs cuBLAS on the model's dense decode projections",
+          ("cuBLAS (F.linear)",),
+          "Qwen3.5-35B-A3B dense projections (GDN in/out, attention qkv/o, shared expert, router, lm_head); "
+          "M in 1, 2, 4, 8, 16, 32",
+          ("tests/test_gemv_kernels.py",), "gpu",
+          "linrnn_bench.kernels.gemv", ("--out", "{out}"), est_test_s=60, est_bench_s=150),
     Entry("attention", "paged attention: split-K decode and varlen causal prefill (+ KV write)",
           ("torch SDPA (prefill, K/V expanded, contiguous)",),
           "Qwen3.5-35B-A3B attention: Hq 16, Hkv 2, D 256, block 16, bf16; decode B in 1..128 x context "

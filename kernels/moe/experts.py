@@ -6,6 +6,8 @@ host, so the whole thing can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from linrnn_kernels.moe import grouped_gemm as gg
@@ -41,11 +43,26 @@ def supported(x: torch.Tensor, *weights: WeightTensor) -> bool:
     return all(w.fmt == "dense" for w in weights) or (major, minor) >= (8, 9)
 
 
+class Alignment(NamedTuple):
+    """moe_align_block_size's outputs computed ahead (the fused router), for block_m rows per block."""
+
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+
+
+def expert_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """The block_m moe_configs picks for this batch (so a router can align for it ahead of time)."""
+    over = gg._config_override("gate_up") or gg._config_override("down")
+    return over.block_m if over else gg.moe_block_m(num_tokens, top_k, num_experts)
+
+
 def moe_configs(num_tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
                 fmt13: str, fmt2: str, device) -> tuple[gg.GemmConfig, gg.GemmConfig]:
     """(gate_up, down) configs: the default table, or LINRNN_MOE_{GATE_UP,DOWN}_CONFIG overrides."""
     over13, over2 = gg._config_override("gate_up"), gg._config_override("down")
-    block_m = (over13 or over2).block_m if (over13 or over2) else gg.moe_block_m(num_tokens, top_k, num_experts)
+    block_m = expert_block_m(num_tokens, top_k, num_experts)
     active = min(num_experts, num_tokens * top_k)
     cfg13 = over13 or gg.default_config(fmt13, True, block_m, active, inter, hidden, device)
     cfg2 = over2 or gg.default_config(fmt2, False, block_m, active, hidden, inter, device)
@@ -53,11 +70,13 @@ def moe_configs(num_tokens: int, top_k: int, num_experts: int, inter: int, hidde
 
 
 def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                w13: WeightTensor, w2: WeightTensor, *, configs=None, nvfp4_path: str | None = None):
+                w13: WeightTensor, w2: WeightTensor, *, configs=None, nvfp4_path: str | None = None,
+                alignment: Alignment | None = None):
     """Triton twin of naive.moe_experts. `configs` = (gate_up, down) GemmConfigs with equal
     block_m (default: moe_configs); `nvfp4_path` = "asm" | "triton" | "dot_scaled" forces that
     grouped-GEMM decode; None or "mma" picks by batch: the MMA-fragment kernel for decode batches
-    (packed weights, Hopper), bf16 dequantization for large ones, else nvfp4_gemm_path()."""
+    (packed weights, Hopper), bf16 dequantization for large ones, else nvfp4_gemm_path().
+    `alignment`: topk_ids already aligned (used when its block_m matches the path's: 8 for the MMA path)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
@@ -93,11 +112,14 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     P = T * top_k
     if (configs is None and nvfp4_path is None and w13.packed is not None and w2.packed is not None
             and P <= MMA_MAX_MEAN_PAIRS * E and x.dtype == torch.bfloat16 and nvfp4_mma.available(x.device)):
-        return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out)
+        return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out, alignment=alignment)
     cfg13, cfg2 = configs or moe_configs(T, top_k, E, inter, H, w13.fmt, w2.fmt, x.device)
     if cfg13.block_m != cfg2.block_m:
         raise ValueError(f"gate_up and down configs must share block_m ({cfg13.block_m} != {cfg2.block_m})")
-    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, cfg13.block_m)
+    if alignment is not None and alignment.block_m == cfg13.block_m:
+        sorted_ids, expert_ids = alignment.sorted_ids, alignment.expert_ids
+    else:
+        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, cfg13.block_m)
     blocks = expert_ids.numel()
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   nvfp4_path=nvfp4_path)
@@ -127,7 +149,8 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
 def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
                     tokens: int | None = None, warps: int = 4, units: int = nvfp4_mma.DEFAULT_UNITS,
-                    groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH):
+                    groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
+                    alignment: Alignment | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
@@ -140,7 +163,10 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     P = T * top_k
     tokens = tokens or mma_tokens(P, E)
-    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, tokens)
+    if alignment is not None and alignment.block_m == tokens:  # e.g. from the fused router
+        sorted_ids, expert_ids = alignment.sorted_ids, alignment.expert_ids
+    else:
+        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, tokens)
     blocks = expert_ids.numel()
     active = min(E, P)
     sms = nvfp4_mma.num_sms(x.device)
