@@ -177,7 +177,8 @@ def _watch_engine(engine, server) -> threading.Event:
 
     def watch():
         while not server.should_exit:
-            if getattr(engine, "dead", None) is not None:
+            # the engine stopped without being asked to (a requested stop sets should_exit first)
+            if not getattr(engine, "is_running", True) and not server.should_exit:
                 died.set()
                 time.sleep(ENGINE_DEAD_GRACE_S)
                 server.should_exit = True
