@@ -51,6 +51,12 @@ import torch
 
 from linrnn_bench.floor import ModelBytes, copy_bandwidth
 from linrnn_bench.plotting import pyplot
+from linrnn_serve.engine_args import EngineArgs
+
+# flags of the serve CLI that mean nothing to a batched decode benchmark
+BENCH_SKIPPED_ENGINE_ARGS = ("served_model_name", "device", "max_queue_len", "chat_template", "reasoning_parser",
+                             "tool_call_parser", "enable_auto_tool_choice", "generation_config",
+                             "override_generation_config")
 
 # BENCH.md, "The peer to beat: vLLM 0.26.0 on one H200 (measured 2026-11-22)": Qwen3.5-35B-A3B shapes,
 # dummy weights, CUDA graphs, f32 SSM state, PP=128, TG=128; npl -> S_TG (t/s).
@@ -199,14 +205,22 @@ def _sync(eng) -> None:
         torch.cuda.synchronize(eng.device)
 
 
-def add_batch(eng, tag: str, npp: int, npl: int, seed: int):
+# the structured-output row's grammar: a JSON array of integers never completes, so every timed step
+# fills and applies a real JSON grammar mask
+STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "integer"}}
+
+
+def add_batch(eng, tag: str, npp: int, npl: int, seed: int, structured: bool = False):
     """npl requests of npp random prompt tokens (fixed seed), greedy, ignore_eos, long enough to never
-    finish inside the timed steps (they are aborted afterwards)."""
-    from linrnn_serve.sampling_params import SamplingParams
+    finish inside the timed steps (they are aborted afterwards); `structured`: each constrained by
+    STRUCTURED_SCHEMA (the grammar-mask cost row)."""
+    from linrnn_serve.sampling_params import SamplingParams, StructuredOutputsParams
 
     rng = random.Random(f"{seed}-{npp}-{npl}")
     V = eng.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=eng.max_model_len - npp, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=eng.max_model_len - npp, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(json=STRUCTURED_SCHEMA) if structured
+                            else None)
     ids = []
     for i in range(npl):
         rid = f"{tag}-{i}"
@@ -232,13 +246,13 @@ def finish(eng, ids: list[str]) -> None:
     eng.check_integrity()
 
 
-def measure(eng, npp: int, ntg: int, npl: int, seed: int, tag: str) -> dict:
+def measure(eng, npp: int, ntg: int, npl: int, seed: int, tag: str, structured: bool = False) -> dict:
     """One llama-batched-bench row (times only)."""
     sch = eng.scheduler
     pre0 = sch.stats.num_preemptions
     _sync(eng)
     t0 = time.perf_counter()
-    ids = add_batch(eng, tag, npp, npl, seed)
+    ids = add_batch(eng, tag, npp, npl, seed, structured)
     steps_pp = prefill_all(eng, 10 * prefill_steps_bound(npp, npl, eng.config.max_num_batched_tokens) + 100)
     _sync(eng)
     t_pp = time.perf_counter() - t0
@@ -258,7 +272,7 @@ def measure(eng, npp: int, ntg: int, npl: int, seed: int, tag: str) -> dict:
            "T_TG": t_tg, "S_TG": npl * ntg / t_tg, "S": npl * (npp + ntg) / (t_pp + t_tg),
            "ms_per_step": 1e3 * t_tg / ntg, "prefill_steps": steps_pp, "decoded_tokens": decoded,
            "preemptions": preempted, "complete": decoded == npl * ntg and running == npl and preempted == 0,
-           **comm}
+           "structured": structured, **comm}
     if not row["complete"]:
         log(f"WARNING: B={npl}: {decoded} of {npl * ntg} tokens decoded in the timed steps ({running} running, "
             f"{preempted} preemptions): the row is not a clean lockstep batch")
@@ -366,14 +380,17 @@ def profile_decode(eng, npl: int, npp: int, steps: int, top: int, seed: int) -> 
                     "us_per_step": t / steps} for n, (c, t) in kernels.items()), key=lambda r: -r["total_us"])
     res = {"B": npl, "steps": steps, "wall_ms_per_step": 1e3 * wall / steps,
            "busy_ms_per_step": total / steps / 1e3, "what": what, "note": note, "top": rows[:top],
-           "num_distinct": len(rows)}
+           "num_distinct": len(rows),
+           # every device activity of a step: kernels plus the input copies (memcpy / memset)
+           "launches_per_step": sum(c for c, _ in kernels.values()) / steps}
     print(format_profile(res), flush=True)
     return res
 
 
 def format_profile(p: dict) -> str:
     lines = [f"profile: B={p['B']}, {p['steps']} decode steps, wall {p['wall_ms_per_step']:.3f} ms/step, "
-             f"{p['what']} time {p['busy_ms_per_step']:.3f} ms/step"
+             f"{p['what']} time {p['busy_ms_per_step']:.3f} ms/step, "
+             f"{p.get('launches_per_step', 0):.0f} launches/step"
              + (f" ({100 * p['busy_ms_per_step'] / p['wall_ms_per_step']:.0f}% busy)" if p['wall_ms_per_step'] else ""),
              *([f"note: {p['note']}"] if p["note"] else []),
              f"| {p['what']} | calls/step | us/step | % |", "|---|---:|---:|---:|"]
@@ -389,15 +406,17 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
                ) -> tuple[dict, object]:
     """Build the engine, warm up, time every (npp, ntg, npl), then profile if asked. Returns (result,
     model for reuse)."""
-    from linrnn_serve.config import EngineConfig
+    import dataclasses
+
     from linrnn_serve.engine.llm_engine import LLMEngine
 
     npps, ntgs, npls = shape["npp"], shape["ntg"], shape["npl"]
-    ec = EngineConfig(model=c.model, load_format=c.load_format, dtype=c.dtype, max_num_seqs=shape["max_num_seqs"],
-                      max_num_batched_tokens=shape["max_num_batched_tokens"], max_model_len=shape["max_model_len"],
-                      gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=c.enforce_eager,
-                      ssm_bf16_tau=c.ssm_bf16_tau, seed=args.seed, tensor_parallel_size=c.tp,
-                      enable_expert_parallel=c.ep)
+    ec = dataclasses.replace(
+        EngineArgs.from_cli_args(args), model=c.model, load_format=c.load_format, dtype=c.dtype,
+        max_num_seqs=shape["max_num_seqs"], max_num_batched_tokens=shape["max_num_batched_tokens"],
+        max_model_len=shape["max_model_len"], enforce_eager=c.enforce_eager, ssm_bf16_tau=c.ssm_bf16_tau,
+        tensor_parallel_size=c.tp, enable_expert_parallel=c.ep,
+    ).create_engine_config()
     source = "reusing the loaded weights" if cached_model is not None else f"loading {c.model} ({c.load_format})"
     graphs = "all buckets" if shape["graph_sizes"] is None else shape["graph_sizes"]
     log(f"config '{c.label}': building the engine ({source}; CUDA graphs for {graphs})")
@@ -435,6 +454,13 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
                     add_peer(row, peer if args.vllm_ref else None)
                     res["rows"].append(row)
                     log(format_row(row, args.vllm_ref))
+                    if args.structured_output:  # the same batch, every sequence grammar-constrained
+                        so = measure(eng, npp, ntg, npl, args.seed, f"so-pp{npp}-tg{ntg}-b{npl}", structured=True)
+                        so["grammar_overhead_pct"] = 100 * (so["ms_per_step"] / row["ms_per_step"] - 1)
+                        so["cuda_graphs"] = eng.runner.use_graphs if hasattr(eng, "runner") else None
+                        res.setdefault("structured_rows", []).append(so)
+                        log(f"  structured output (JSON grammar on every row): {so['ms_per_step']:.2f} ms/step, "
+                            f"{so['grammar_overhead_pct']:+.1f} % vs unconstrained")
         for npl in shape["profile"] if profile else []:
             res["profile"].append(profile_decode(eng, npl, npps[0], args.profile_steps, args.profile_top, args.seed))
     finally:
@@ -531,8 +557,9 @@ def environment(device: torch.device) -> dict:
 
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "host": platform.node(), "commit": git("rev-parse", "HEAD"),
-           "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+           "python": platform.python_version(), "host": platform.node(), # the device machine runs a copy of the tree without its .git: the caller names the commit
+           "commit": os.environ.get("LINRNN_COMMIT") or git("rev-parse", "HEAD"),
+           "dirty": False if os.environ.get("LINRNN_COMMIT") else bool(git("status", "--porcelain", "--untracked-files=no")),
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": shlex.join(["linrnn-serve", "bench", "batched"] + sys.argv[sys.argv.index("batched") + 1:])
            if "batched" in sys.argv else shlex.join(sys.argv)}
@@ -644,35 +671,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--npp", default="128", help="prompt tokens per sequence")
     g.add_argument("--ntg", default="128", help="generated (timed decode) tokens per sequence")
     g.add_argument("--npl", default="1,8,32,64,128", help="parallel sequences (batch sizes)")
-    e = p.add_argument_group("engine")
-    e.add_argument("--model", default="qwen35moe-nvfp4",
-                   help="preset, checkpoint directory or repo id; a comma list runs each in turn")
-    e.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--ssm-bf16-tau", default="inf",
-                   help="hybrid-state threshold(s): heads with decay timescale <= tau keep bf16 state "
-                        "(inf: all f32, 0: all bf16); a comma list runs each in turn")
-    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks to shard the model over (GPUs; CPU processes with the CPU)")
-    e.add_argument("--enable-expert-parallel", action="store_true", help="with -tp N: partition the routed experts")
+    # the engine flags are the serve CLI's (one definition: linrnn_serve.engine_args), with comma lists for
+    # --model / --ssm-bf16-tau and batch-shaped defaults
+    EngineArgs.add_cli_args(p, skip=BENCH_SKIPPED_ENGINE_ARGS, overrides={
+        "model": {"default": "qwen35moe-nvfp4",
+                  "help": "preset, checkpoint directory or repo id; a comma list runs each in turn"},
+        "ssm_bf16_tau": {"type": str, "default": "inf",
+                         "help": "hybrid-state threshold(s): heads with decay timescale <= tau keep bf16 state "
+                                 "(inf: all f32, 0: all bf16); a comma list runs each in turn"},
+        "max_num_seqs": {"default": None, "help": "default: the largest npl"},
+        "max_num_batched_tokens": {"default": None, "help": "prefill token budget per step (default: all prompts "
+                                   "of the largest batch in one step, at most 16384, at least 2048)"},
+        "max_model_len": {"help": "default: what the rows need (k/m/K/M suffixes)"}})
+    e = p.add_argument_group("bench configurations")
     e.add_argument("--config", action="append", default=None, metavar="SPEC",
                    help="a configuration 'model=...,ssm-bf16-tau=...,load-format=...,dtype=...,enforce-eager=..."
                         ",label=...,peer-row=...,tp=N,ep=true' (repeat for several; replaces the --model x --ssm-bf16-tau product, "
                         "unset keys default to the flags)")
-    e.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest npl")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="prefill token budget per step (default: all prompts of the largest batch in one step, "
-                        "at most 16384, at least 2048)")
-    e.add_argument("--max-model-len", type=int, default=None, help="default: what the rows need")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--graph-sizes", default="npl",
                    help="CUDA-graph batch sizes: 'npl' (only the timed batch sizes: faster start), 'all' "
                         "(the engine's buckets) or a comma list")
-    e.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("run and report")
     r.add_argument("--warmup-steps", type=int, default=4,
                    help="decode steps of the warm-up round run at each batch size before timing (0: none)")
+    r.add_argument("--structured-output", action="store_true",
+                   help="after each row, the same batch with every sequence constrained by a JSON grammar "
+                        "(token bitmask in the decode step): ms/step and overhead vs unconstrained")
     r.add_argument("--vllm-ref", action="store_true", help="add BENCH.md's vLLM H200 S_TG and our ratio to it")
     r.add_argument("--peer-row", default="auto", choices=["auto", "nvfp4", "bf16"],
                    help="which vLLM column to compare with (auto: nvfp4 for NVFP4 experts, else bf16)")

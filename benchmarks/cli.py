@@ -1,4 +1,4 @@
-"""`linrnn-serve bench {batched,serve,kernels}`."""
+"""`linrnn-serve bench {batched,serve,kernels,launches}`."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ COMMANDS = {
     "batched": ("linrnn_bench.batched", "in-process batched decode benchmark (llama-batched-bench style)"),
     "serve": ("linrnn_bench.serve", "streaming load generator against an OpenAI-compatible server"),
     "kernels": ("linrnn_bench.kernels.registry", "run the kernel benchmark registry (tests first)"),
+    "launches": ("linrnn_bench.launch_count", "count the kernel launches of one decode step (CPU, meta weights)"),
 }
 
 

@@ -17,9 +17,22 @@ def _forced() -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """True when `t` lives on a CUDA device and the reference path is not forced.
 
-    Under TRITON_INTERPRET=1 (CPU kernel tests) tests call the Triton launchers directly.
+    Under TRITON_INTERPRET=1 (CPU kernel tests) tests call the Triton launchers directly, or run whole
+    models through them inside `triton_on("cpu")`; inside `triton_on("meta")` meta tensors take the
+    Triton path (the CPU launch counter intercepts the launches).
     """
-    return t.is_cuda and not _forced()
+    return (t.is_cuda or t.device.type in getattr(_state, "triton_on", ())) and not _forced()
+
+
+@contextlib.contextmanager
+def triton_on(*device_types: str):
+    """Route tensors of these non-CUDA device types through the Triton launchers."""
+    prev = getattr(_state, "triton_on", ())
+    _state.triton_on = tuple(device_types)
+    try:
+        yield
+    finally:
+        _state.triton_on = prev
 
 
 @contextlib.contextmanager

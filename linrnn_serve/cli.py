@@ -1,4 +1,5 @@
-"""`linrnn-serve` console script. With no subcommand it serves (like `vllm serve`).
+"""`linrnn-serve` console script. With no subcommand it serves (like `vllm serve`):
+`linrnn-serve MODEL`, `linrnn-serve serve MODEL` and `linrnn-serve --model MODEL` are the same.
 
 Each subcommand lives with the code it drives and exposes `add_arguments(parser)` and
 `run(args) -> int`; they are imported lazily so `linrnn-serve synth` never imports the server.
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(_usage())
+        print()
+        _parser("serve").print_help()  # `linrnn-serve --help` shows the serve options, as `vllm serve --help`
         return 0
     if argv and argv[0] == "--version":
         from importlib.metadata import version
@@ -43,9 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "serve"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(SUBCOMMANDS[cmd][0])
-    parser = argparse.ArgumentParser(prog=f"linrnn-serve {cmd}", description=SUBCOMMANDS[cmd][1])
-    module.add_arguments(parser)
+    parser, module = _parser(cmd, with_module=True)
     args = parser.parse_args(argv)
     try:
         return int(module.run(args) or 0)
@@ -63,6 +64,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (CheckpointError, ConfigError, TokenizerError, ModelResolutionError, FileNotFoundError,
             FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def _parser(cmd: str, with_module: bool = False):
+    module = importlib.import_module(SUBCOMMANDS[cmd][0])
+    parser = argparse.ArgumentParser(prog=f"linrnn-serve {cmd}", description=SUBCOMMANDS[cmd][1])
+    module.add_arguments(parser)
+    return (parser, module) if with_module else parser
 
 
 if __name__ == "__main__":

@@ -311,3 +311,12 @@ class EngineConfig:
     # activations and graphs) given to the prefix cache's state snapshots; the rest is paged KV
     prefix_snapshot_fraction: float = 0.1
     num_prefix_snapshots: int | None = None  # override the snapshot count (tests)
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs / top_logprobs a request may ask for
+    # "auto": the checkpoint's generation_config.json gives default sampling params; "vllm": none; or a folder
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # chat front end (server and LLM.chat): template override, output parsers
+    chat_template: str | None = None  # a file path or the template text
+    reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
+    tool_call_parser: str | None = None  # "qwen3_coder" | "hermes"
+    enable_auto_tool_choice: bool = False

@@ -2,6 +2,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs`: exactly one constraint on the output text (compiled by xgrammar in
+    the engine, engine/structured_output.py)."""
+
+    json: dict | str | None = None  # a JSON schema (object or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF-style: root ::= ...)
+    json_object: bool = False  # any JSON object (response_format json_object)
+
+    def kind(self) -> str:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise SamplingParamError("structured_outputs", "structured_outputs needs exactly one of json, regex, "
+                                                           f"choice, grammar, json_object (got {kinds or 'none'})")
+        return kinds[0]
 
 
 @dataclass
@@ -24,6 +45,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens (completions `echo` + `logprobs`)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # output constrained by a grammar
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never generate these words
+    truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
+    bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words
+    extra_args: dict[str, Any] | None = None
 
     MAX_LOGPROBS = 20
 
@@ -39,8 +66,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
-        """Raise ValueError(param, message) style errors for out-of-range values."""
+    def validate(self, max_logprobs: int | None = None) -> None:
+        """Raise ValueError(param, message) style errors for out-of-range values. `max_logprobs`: the
+        engine's --max-logprobs (default MAX_LOGPROBS)."""
+        max_lp = self.MAX_LOGPROBS if max_logprobs is None else max_logprobs
         def bad(param, msg):
             raise SamplingParamError(param, msg)
 
@@ -66,10 +95,20 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= self.MAX_LOGPROBS:
-                bad(name, f"{name} must be in [0, {self.MAX_LOGPROBS}], got {v}")
+            if v is not None and not 0 <= v <= max_lp:
+                bad(name, f"{name} must be in [0, {max_lp}], got {v}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop must be up to 16 non-empty strings")
+        if self.structured_outputs is not None:
+            self.structured_outputs.kind()
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "allowed_token_ids must not be empty")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            bad("truncate_prompt_tokens", f"truncate_prompt_tokens must be a positive integer, got "
+                                          f"{self.truncate_prompt_tokens!r}")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            bad("bad_words", "bad_words must be non-empty strings")
 
 
 class SamplingParamError(ValueError):

@@ -501,10 +501,17 @@ class Scheduler:
             row.output_token_ids = seq.output_token_ids
             if row.repetition_penalty != 1.0:
                 row.prompt_token_ids = seq.group.prompt_token_ids
+        banned: set[int] = set()
         if seq.num_output < p.min_tokens:
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned |= self.eos_token_ids
+        if p.bad_words_token_ids:  # vLLM: ban a bad word's last token where its other tokens just came
+            out = seq.output_token_ids
+            for w in p.bad_words_token_ids:
+                if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1]):
+                    banned.add(w[-1])
+        if banned:
             row.banned_token_ids = sorted(banned)
         return row
 

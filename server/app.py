@@ -9,6 +9,7 @@ finish for up to `shutdown_timeout` seconds, then aborts the rest and stops the 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,24 +24,30 @@ from linrnn_server.auth import require_api_key
 from linrnn_server.engine_client import EngineClient
 from linrnn_server.errors import APIError, http_error, internal
 from linrnn_server.metrics import ServerMetrics
-from linrnn_server.routes import chat, completions, health, metrics, models, tokenize
-from linrnn_server.serving import ClientDisconnected, ServerState
+from linrnn_server.routes import chat, completions, health, metrics, models, responses, tokenize
+from linrnn_server.serving import ClientDisconnected, ServerState, log_stats_forever
 
 log = logging.getLogger(__name__)
 
 
 def build_app(engine: Any, served_model_names: list[str] | None = None, api_key: str | None = None,
-              shutdown_mode: str = "finish", shutdown_timeout: float = 10.0, owns_engine: bool = True) -> FastAPI:
+              shutdown_mode: str = "finish", shutdown_timeout: float = 10.0, owns_engine: bool = True,
+              log_requests: bool = False, stats_interval: float | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine`. With `owns_engine`, the app's shutdown stops the engine
-    ('finish': in-flight requests may complete within `shutdown_timeout`, then the rest are aborted)."""
+    ('finish': in-flight requests may complete within `shutdown_timeout`, then the rest are aborted).
+    `log_requests`: one INFO line per request; `stats_interval`: seconds between statistics lines."""
     client = EngineClient(engine, served_model_names)
-    state = ServerState(client, ServerMetrics(client.served_model_names[0]), api_key or None)
+    state = ServerState(client, ServerMetrics(client.served_model_names[0]), api_key or None,
+                        log_requests=log_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         log.info("serving %s (max_model_len %d)%s", ", ".join(client.served_model_names), client.max_model_len,
                  "; API key required on /v1 and /tokenize, /detokenize" if state.api_key else "")
+        stats_task = asyncio.ensure_future(log_stats_forever(client, stats_interval)) if stats_interval else None
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         if owns_engine:
             log.info("shutting down: %d request(s) in flight", len(state.active))
             await client.shutdown(mode=shutdown_mode, timeout=shutdown_timeout)
@@ -53,6 +60,7 @@ def build_app(engine: Any, served_model_names: list[str] | None = None, api_key:
     app.include_router(models.router, dependencies=secured)
     app.include_router(completions.router, dependencies=secured)
     app.include_router(chat.router, dependencies=secured)
+    app.include_router(responses.router, dependencies=secured)
     app.include_router(tokenize.router, dependencies=secured)
 
     def render(err: APIError) -> JSONResponse:

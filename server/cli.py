@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import socket
@@ -24,20 +23,6 @@ log = logging.getLogger("linrnn_server")
 API_KEY_ENV = "LINRNN_API_KEY"
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
-    return v
-
-
-def _fraction(s: str) -> float:
-    v = float(s)
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
-    return v
-
-
 def _port(s: str) -> int:
     v = int(s)
     if not 0 <= v <= 65535:
@@ -45,57 +30,20 @@ def _port(s: str) -> int:
     return v
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from linrnn_serve.engine_args import EngineArgs
     from linrnn_serve.presets import describe_presets
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = ("--model accepts a checkpoint directory, a Hugging Face repo id (owner/name, downloaded), or "
-                     "a preset:\n" + describe_presets())
-    m = parser.add_argument_group("model")
-    m.add_argument("--model", default=None, metavar="NAME|PATH|HF_REPO_ID",
-                   help="checkpoint directory, Hugging Face repo id, or preset name (default: the embedded "
-                        "default model)")
-    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="name(s) clients use in the 'model' field (default: the model's name); the first is "
-                        "reported in responses and metrics")
-    m.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                   help="'dummy': random weights of the real shapes, no weight download")
-    m.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                   help="activation / weight dtype ('auto': bfloat16 on GPU, float32 on CPU)")
-    m.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="'auto': the GPU if there is one, else the CPU")
-    m.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded requests")
-
-    e = parser.add_argument_group("engine")
-    e.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="context length (prompt + output) per request (default: min(model's, 8192))")
-    e.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences in the running batch")
-    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
-                   help="tokens per engine step (chunked-prefill budget)")
-    e.add_argument("--max-queue-len", type=_positive_int, default=1024,
-                   help="requests waiting for admission; beyond this the server answers 503")
-    e.add_argument("--gpu-memory-utilization", type=_fraction, default=0.90,
-                   help="fraction of GPU memory for weights, activations and caches")
-    e.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged-KV block")
-    e.add_argument("--num-kv-blocks", type=_positive_int, default=None,
-                   help="fix the number of KV blocks instead of sizing from memory (testing)")
-    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    e.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
-                   help="shard the model over N GPUs (or N CPU processes with --device cpu): one worker process "
-                        "per rank")
-    e.add_argument("--enable-expert-parallel", action="store_true",
-                   help="with -tp N: partition the routed experts over the ranks instead of splitting each one")
-    e.add_argument("--ssm-bf16-tau", type=float, default=math.inf, metavar="TAU",
-                   help="GDN heads with decay timescale <= TAU keep their recurrent state in bf16 "
-                        "(default inf: all f32)")
-    e.add_argument("--ssm-calibration", default=None, metavar="TEXT_FILE",
-                   help="text for the tier-2 calibration of the f32/bf16 head split")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="reuse the KV and recurrent-state snapshots of shared prompt prefixes (exact, any length)")
-    e.add_argument("--prefix-snapshot-fraction", type=float, default=0.1, metavar="F",
-                   help="share of the cache memory given to prefix-cache state snapshots (the rest is KV)")
-    e.add_argument("--num-prefix-snapshots", type=_positive_int, default=None,
-                   help="fix the number of prefix-cache state snapshots instead (testing)")
+    parser.usage = "%(prog)s [MODEL] [options]"
+    parser.epilog = ("MODEL (positional, as `vllm serve MODEL`, or --model) is a checkpoint directory, a Hugging Face "
+                     "repo id (owner/name, downloaded), or a preset:\n" + describe_presets())
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve (same as --model)")
+    EngineArgs.add_cli_args(parser)
 
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces, as vLLM)")
@@ -105,23 +53,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"${API_KEY_ENV})")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, let in-flight requests finish this long, then abort them")
-    s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    s.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="this server's log level")
+    s.add_argument("--uvicorn-log-level", choices=LOG_LEVELS + ("trace",), default=None,
+                   help="uvicorn's log level (default: --log-level)")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log one line per request (id, prompt length, sampling parameters)")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per request (the default; vLLM's newer spelling)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log engine throughput / queue / cache statistics every --stats-interval seconds")
+    s.add_argument("--stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between statistics log lines")
+
+
+def engine_args(args: argparse.Namespace):
+    """EngineArgs of the parsed flags; the positional MODEL and --model are the same thing."""
+    from linrnn_serve.engine_args import EngineArgs
+
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model not in (None, "default", tag):
+            raise ValueError(f"the model is given twice: positional {tag!r} and --model {args.model!r}")
+        args.model = tag
+    return EngineArgs.from_cli_args(args)
 
 
 def engine_config(args: argparse.Namespace):
-    from linrnn_serve.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model or "default", load_format=args.load_format, dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
-        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-        enforce_eager=args.enforce_eager, ssm_bf16_tau=args.ssm_bf16_tau, ssm_calibration=args.ssm_calibration,
-        seed=args.seed, max_queue_len=args.max_queue_len,
-        served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        num_kv_blocks=args.num_kv_blocks, tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel, enable_prefix_caching=args.enable_prefix_caching,
-        prefix_snapshot_fraction=args.prefix_snapshot_fraction, num_prefix_snapshots=args.num_prefix_snapshots)
+    return engine_args(args).create_engine_config()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -150,6 +108,13 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
+        config = engine_config(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    if args.trust_remote_code:
+        log.info("--trust-remote-code: no remote code is run here (the architectures are built in)")
+    try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         log.error("%s", e)
@@ -158,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from linrnn_serve.engine.async_engine import AsyncLLMEngine
 
-        engine = AsyncLLMEngine.from_config(engine_config(args))
+        engine = AsyncLLMEngine.from_config(config)
     except KeyboardInterrupt:
         sock.close()
         return 130
@@ -173,10 +138,13 @@ def run(args: argparse.Namespace) -> int:
     from linrnn_server.app import build_app
 
     app = build_app(engine, served_model_names=args.served_model_name, api_key=api_key,
-                    shutdown_mode="finish", shutdown_timeout=args.shutdown_timeout)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=max(args.shutdown_timeout, 0.1),
-                            access_log=args.log_level == "debug")
-    server = uvicorn.Server(config)
+                    shutdown_mode="finish", shutdown_timeout=args.shutdown_timeout,
+                    log_requests=not args.disable_log_requests,
+                    stats_interval=None if args.disable_log_stats else args.stats_interval)
+    uv_level = args.uvicorn_log_level or args.log_level
+    uv_config = uvicorn.Config(app, log_level=uv_level, timeout_graceful_shutdown=max(args.shutdown_timeout, 0.1),
+                               access_log=uv_level in ("debug", "trace"))
+    server = uvicorn.Server(uv_config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("listening on http://%s:%d (OpenAI API under /v1)", host, sock.getsockname()[1])
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the handler that
@@ -209,7 +177,8 @@ def _watch_engine(engine, server) -> threading.Event:
 
     def watch():
         while not server.should_exit:
-            if getattr(engine, "dead", None) is not None:
+            # the engine stopped without being asked to (a requested stop sets should_exit first)
+            if not getattr(engine, "is_running", True) and not server.should_exit:
                 died.set()
                 time.sleep(ENGINE_DEAD_GRACE_S)
                 server.should_exit = True

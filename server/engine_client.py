@@ -45,6 +45,14 @@ class EngineClient:
         name = _get(engine, "model_name", default=None) or _get(cfg, "served_model_name", "model", default="default")
         self.served_model_names: list[str] = list(served_model_names or [name])
         self.model_root: str | None = _get(cfg, "model", default=None)
+        self.max_logprobs: int = int(_get(cfg, "max_logprobs", default=SamplingParams.MAX_LOGPROBS))
+        # request fields left unset take these (the checkpoint's generation_config.json, --generation-config)
+        self.default_sampling_params: dict[str, Any] = dict(_get(engine, "default_sampling_params", default={}))
+        self.config = cfg
+        # --chat-template (a file or the text); None: the checkpoint's own template
+        from linrnn_serve.engine.tokenizer import resolve_chat_template
+
+        self.chat_template: str | None = resolve_chat_template(_get(cfg, "chat_template", default=None))
         self._token_bytes: list[bytes | None] | None = None
 
     # ---- tokenizer ----------------------------------------------------------------------

@@ -120,5 +120,5 @@ def from_engine_error(e: BaseException, at_submit: bool = False) -> APIError | N
     if type(e).__name__ == "EngineDeadError":  # engine.async_engine, not imported here (it pulls in torch)
         return APIError(f"The engine is not running: {e}", 503, "service_unavailable_error", None, "engine_dead")
     if at_submit and isinstance(e, ValueError):
-        return bad_request(str(e), None, "invalid_value")
+        return bad_request(str(e), getattr(e, "param", None), "invalid_value")
     return None

@@ -1,11 +1,12 @@
 """OpenAI-compatible request and response models (field names as in the OpenAI API reference and the
 `openai` client's types; vLLM-style extras where noted).
 
-Requests are strict (`extra="forbid"`, no string -> number coercion): an unknown field is refused
-with "Unrecognized request argument supplied: <name>", a wrong type names the field. Documented
-OpenAI fields that this server cannot honour are accepted only at their neutral value (see
-`_NEUTRAL`) so a client that sends `logit_bias: {}` or `tool_choice: "none"` still works, while one
-that asks for tools or JSON mode gets a 400 instead of silently different behaviour.
+Requests are strict about types (no string -> number coercion): a wrong type names the field. Unknown
+top-level fields of the generation requests are accepted and named in a logged warning (vLLM's rule);
+nested objects stay strict ("Unrecognized request argument supplied: <name>"). Documented OpenAI
+fields that this server cannot honour are accepted only at their neutral value (see `_NEUTRAL`), so a
+client that sends `logit_bias: {}` still works, while one that asks for audio gets a 400 instead of
+silently different behaviour.
 """
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ from linrnn_server.errors import bad_request, unsupported
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    def warn_unknown(self, log) -> None:
+        """Top-level fields this server does not know are accepted and named in a warning (vLLM's rule)."""
+        extra = sorted((self.model_extra or {}).keys())
+        if extra:
+            log.warning("ignoring unknown request field(s): %s", ", ".join(extra))
 
     # union-typed fields -> what they accept, for error messages (errors.from_validation_error)
     TYPE_HINTS: ClassVar[dict[str, str]] = {}
@@ -37,22 +44,21 @@ _NEUTRAL: dict[str, tuple] = {
     "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
     "web_search_options": (None,),
-    "reasoning_effort": (None,),
     "verbosity": (None,),
 }
 
 
 class _SamplingFields(RequestModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. Unknown top-level fields are accepted
+    with a logged warning (as vLLM); nested objects stay strict."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None  # optional (vLLM): the served model when omitted
     n: int | None = 1
@@ -75,7 +81,25 @@ class _SamplingFields(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM; bench serve)
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and the older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: xgrammar is the one backend
+    guided_whitespace_pattern: str | None = None  # accepted, not used (compact JSON)
+    # more vLLM extras
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    priority: int | None = None  # accepted; scheduling is first come, first served
+    request_id: str | None = None
+    cache_salt: str | None = None
+    spaces_between_special_tokens: bool | None = None
 
     def check_neutral(self) -> None:
         for name, ok in _NEUTRAL.items():
@@ -115,7 +139,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     TYPE_HINTS = {"prompt": "a string, an array of strings, an array of token ids, or an array of "
-                            "token-id arrays", "stop": _STOP_HINT}
+                            "token-id arrays", "stop": _STOP_HINT, "guided_json": "an object or a string"}
 
 
 class ContentPart(RequestModel):
@@ -156,17 +180,18 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    # accepted only at their neutral value (_NEUTRAL)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # given to the chat template
+    chat_template: str | None = None  # vLLM extra: this request's template
+    documents: list[dict[str, Any]] | None = None
+    # accepted only at their neutral value (_NEUTRAL)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
     # vLLM extras for the chat template
     add_generation_prompt: bool = True
@@ -174,7 +199,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     TYPE_HINTS = {"stop": _STOP_HINT, "tool_choice": "a string or an object",
-                  "function_call": "a string or an object"}
+                  "function_call": "a string or an object", "guided_json": "an object or a string"}
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -191,6 +216,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 
@@ -245,6 +271,7 @@ class CompletionResponse(ResponseModel):
     choices: list[CompletionChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM extra
 
 
 class TopLogprob(ResponseModel):
@@ -267,6 +294,7 @@ class AssistantMessage(ResponseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None  # vLLM's field for the <think> part (--reasoning-parser)
 
 
 class ChatChoice(ResponseModel):
@@ -285,11 +313,23 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM extra
 
 
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler):
+        """Chunks carry `reasoning_content` / `tool_calls` only when they have some (as vLLM)."""
+        d = handler(self)
+        for k in ("reasoning_content", "tool_calls"):
+            if d.get(k) is None:
+                d.pop(k, None)
+        return d
 
 
 class ChatChunkChoice(ResponseModel):

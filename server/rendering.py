@@ -27,7 +27,9 @@ def sse_error(err: APIError) -> bytes:
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: plain dicts, text content joined, no nulls.
-    'developer' (OpenAI's newer name for the system role) is given to the template as 'system'."""
+    'developer' (OpenAI's newer name for the system role) is given to the template as 'system'.
+    Tool calls in the history carry their arguments as a JSON string (OpenAI); templates (Qwen's
+    iterate `arguments|items`) get them parsed into a dict, as vLLM does."""
     out = []
     for m in messages:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
@@ -35,26 +37,44 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             v = getattr(m, key)
             if v is not None:
                 d[key] = v
+        if m.tool_calls:
+            d["tool_calls"] = [_parsed_arguments(tc) for tc in m.tool_calls]
         out.append(d)
     return out
 
 
+def _parsed_arguments(tc: dict[str, Any]) -> dict[str, Any]:
+    fn = tc.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return tc
+    try:
+        args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+    except json.JSONDecodeError:
+        return tc
+    return {**tc, "function": {**fn, "arguments": args}}
+
+
 def render_chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
-                       chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text for a chat request, rendered with the checkpoint's chat template."""
+                       chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+                       chat_template: str | None = None, documents: list[dict] | None = None) -> str:
+    """The prompt text for a chat request, rendered with `chat_template` (--chat-template or the
+    request's) or else the checkpoint's own; `tools` and `chat_template_kwargs` (e.g. enable_thinking)
+    reach the template."""
     if continue_final_message and add_generation_prompt:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           "continue_final_message")
     if continue_final_message and messages[-1].role != "assistant":
         raise bad_request("'continue_final_message' needs a final assistant message", "continue_final_message")
     kwargs = dict(chat_template_kwargs or {})
-    for reserved in ("messages", "add_generation_prompt", "continue_final_message", "tokenize", "chat_template"):
+    for reserved in ("messages", "add_generation_prompt", "continue_final_message", "tokenize", "chat_template",
+                     "tools", "documents"):
         if reserved in kwargs:
             raise bad_request(f"chat_template_kwargs may not set '{reserved}'", "chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(message_dicts(messages), add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **kwargs)
+                                             continue_final_message=continue_final_message, tools=tools or None,
+                                             documents=documents, chat_template=chat_template, **kwargs)
     except APIError:
         raise
     except Exception as e:  # jinja2 TemplateError (raise_exception in the template), missing template

@@ -4,6 +4,7 @@ streams, and aborts everything when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from linrnn_serve.engine.outputs import RequestOutput
-from linrnn_serve.sampling_params import SamplingParamError, SamplingParams
+from linrnn_serve.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
 from linrnn_server.engine_client import EngineClient
 from linrnn_server.errors import (APIError, bad_request, from_engine_error, from_validation_error, internal,
                                   model_not_found)
@@ -37,6 +38,7 @@ class ServerState:
     api_key: str | None = None
     active: set[str] = field(default_factory=set)  # engine request ids in flight
     started: float = field(default_factory=time.time)
+    log_requests: bool = False  # one INFO line per request (--disable-log-requests turns it off)
 
     @property
     def model_names(self) -> list[str]:
@@ -52,14 +54,17 @@ def new_id(prefix: str) -> str:
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as `model`. Content-Type is not required (curl -d sends a form type)."""
+    """The JSON body as `model`. Content-Type is not required (curl -d sends a form type). Unknown
+    top-level fields of the generation requests are logged and ignored."""
     raw = await request.body()
     if not raw.strip():
         raise bad_request("The request body is empty: send a JSON object.", None, "invalid_json")
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as e:
         raise from_validation_error(e, model.TYPE_HINTS) from None
+    body.warn_unknown(log)
+    return body
 
 
 def check_model(state: ServerState, name: str | None) -> str:
@@ -72,26 +77,98 @@ def check_model(state: ServerState, name: str | None) -> str:
 
 
 def sampling_params(req, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from the fields /v1/completions and /v1/chat/completions share, validated."""
-    def val(v, default):
-        return default if v is None else v
+                    prompt_logprobs: int | None = None, engine: EngineClient | None = None) -> SamplingParams:
+    """SamplingParams from the fields /v1/completions and /v1/chat/completions share, validated. Fields
+    the request leaves unset take the engine's generation-config defaults, then the OpenAI ones."""
+    defaults = engine.default_sampling_params if engine is not None else {}
+
+    def val(v, default, name=None):
+        if v is not None:
+            return v
+        return defaults.get(name, default) if name else default
+
+    if max_tokens is None and "max_tokens" in defaults:
+        max_tokens = defaults["max_tokens"]
 
     p = SamplingParams(
-        n=req.num_samples, temperature=val(req.temperature, 1.0), top_p=val(req.top_p, 1.0), top_k=val(req.top_k, 0),
-        min_p=val(req.min_p, 0.0), seed=req.seed, presence_penalty=val(req.presence_penalty, 0.0),
-        frequency_penalty=val(req.frequency_penalty, 0.0), repetition_penalty=val(req.repetition_penalty, 1.0),
+        n=req.num_samples, temperature=val(req.temperature, 1.0, "temperature"), top_p=val(req.top_p, 1.0, "top_p"),
+        top_k=val(req.top_k, 0, "top_k"), min_p=val(req.min_p, 0.0, "min_p"), seed=req.seed,
+        presence_penalty=val(req.presence_penalty, 0.0), frequency_penalty=val(req.frequency_penalty, 0.0),
+        repetition_penalty=val(req.repetition_penalty, 1.0, "repetition_penalty"),
         max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_list,
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens)
+    p.structured_outputs = structured_outputs_of(req)
+    p.allowed_token_ids = list(req.allowed_token_ids) if req.allowed_token_ids is not None else None
+    p.bad_words = list(req.bad_words or [])
+    p.truncate_prompt_tokens = req.truncate_prompt_tokens
+    if req.prompt_logprobs is not None and p.prompt_logprobs is None:
+        p.prompt_logprobs = req.prompt_logprobs
     if req.top_k is not None and req.top_k < -1:
         raise bad_request(f"top_k must be -1, 0 or positive, got {req.top_k}", "top_k", "invalid_value")
     try:
-        p.validate()
+        p.validate(engine.max_logprobs if engine is not None else None)
     except SamplingParamError as e:
         raise bad_request(str(e), e.param, "invalid_value") from None
     return p
+
+
+_SO_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
+
+
+def structured_outputs_of(req) -> StructuredOutputsParams | None:
+    """The request's output constraint: response_format, structured_outputs or guided_* (at most one)."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                  "response_format", "invalid_value")
+            found.append(("response_format", StructuredOutputsParams(json=schema if schema is not True else {})))
+        elif kind == "structural_tag":
+            raise bad_request("response_format type 'structural_tag' is not supported (use json_schema, json_object, "
+                              "or structured_outputs regex / choice / grammar)", "response_format",
+                              "unsupported_parameter")
+        elif kind != "text":
+            raise bad_request(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                              "response_format", "invalid_value")
+    if req.structured_outputs:
+        keys = {k for k, v in req.structured_outputs.items() if v not in (None, False)}
+        unknown = keys - _SO_KEYS - {"disable_any_whitespace", "disable_fallback", "whitespace_pattern",
+                                     "disable_additional_properties"}
+        if unknown:
+            raise bad_request(f"structured_outputs keys {sorted(unknown)} are not supported (json, regex, choice, "
+                              f"grammar, json_object)", "structured_outputs", "unsupported_parameter")
+        so = {k: req.structured_outputs[k] for k in keys & _SO_KEYS}
+        found.append(("structured_outputs", StructuredOutputsParams(**so)))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        v = getattr(req, name, None)
+        if v is not None:
+            if name == "guided_json" and isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except json.JSONDecodeError as e:
+                    raise bad_request(f"guided_json is not valid JSON: {e}", name, "invalid_value") from None
+            found.append((name, StructuredOutputsParams(**{key: v})))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"only one output constraint may be given, got {[n for n, _ in found]}", found[1][0],
+                          "invalid_value")
+    name, so = found[0]
+    try:
+        so.kind()
+    except SamplingParamError as e:
+        raise bad_request(str(e), name, "invalid_value") from None
+    return so
 
 
 def check_prompt(engine: EngineClient, ids: list[int], max_tokens: int | None, params: SamplingParams,
@@ -156,6 +233,9 @@ class Generation:
 
     async def start(self) -> None:
         eng = self.state.engine
+        if self.state.log_requests:
+            log.info("request %s: %d prompt(s) of %s tokens, params %s", self.base_id, len(self.prompts),
+                     ",".join(str(len(p)) for p in self.prompts), self.params)
         self._iters = [eng.generate(ids, self.params, rid) for ids, rid in zip(self.prompts, self.ids)]
         self.state.active.update(self.ids)
         try:
@@ -266,3 +346,22 @@ def usage_of(outputs: list[RequestOutput]) -> tuple[int, int]:
     """(prompt tokens, completion tokens): each prompt once, every generated token of every sample."""
     return (sum(len(o.prompt_token_ids) for o in outputs),
             sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+async def log_stats_forever(engine: EngineClient, interval: float) -> None:
+    """vLLM's periodic statistics line (off with --disable-log-stats): throughput since the last line,
+    running / waiting requests, cache usage."""
+    last_t, last_p, last_g = time.monotonic(), None, None
+    while True:
+        await asyncio.sleep(interval)
+        s = engine.stats() or {}
+        now = time.monotonic()
+        p, g = s.get("prompt_tokens_total", 0), s.get("generation_tokens_total", 0)
+        dt = max(now - last_t, 1e-9)
+        pt = (p - last_p) / dt if last_p is not None else p / dt
+        gt = (g - last_g) / dt if last_g is not None else g / dt
+        log.info("engine: avg prompt throughput %.1f tokens/s, avg generation throughput %.1f tokens/s, running %d "
+                 "reqs, waiting %d reqs, KV cache usage %.1f%%, state cache usage %.1f%%", pt, gt,
+                 s.get("num_requests_running", 0), s.get("num_requests_waiting", 0),
+                 100 * s.get("kv_cache_usage", 0.0), 100 * s.get("state_cache_usage", 0.0))
+        last_t, last_p, last_g = now, p, g

@@ -177,6 +177,15 @@ def test_decode_bf16_activations_and_wide_tiles(poison_empty):
     run_decode(SMALL, 3, "0.5", torch.float32, KERNEL_DEVICE, config=(32, 4))  # one Dv tile of 32
 
 
+@pytest.mark.parametrize("kind", ["0.5", "bf16"])
+def test_decode_bf16_partition_wide_tiles(poison_empty, kind):
+    """bf16 heads on [Dk, 2 bv] tiles (the even programs of a head), f32 heads on [Dk, bv]."""
+    run_decode(SMALL, 3, kind, torch.float32, KERNEL_DEVICE,
+               config=decode_k.DecodeConfig(8, 2, "evict_first", "evict_first", None, True))
+    run_decode(SMALL, 2, kind, torch.bfloat16, KERNEL_DEVICE,
+               config=decode_k.DecodeConfig(16, 2, "", "", None, True))
+
+
 def decode_rows_are_independent(shape, device):
     """With one launch config, each row's output and state bytes are the same whether it runs alone,
     in a small batch or in a large one: rows never interact (decode_config may pick another tile
@@ -220,7 +229,7 @@ from triton.compiler import ASTSource
 from linrnn_kernels.gdn import decode
 fn = decode._gdn_decode_kernel
 cex = dict(HV=32, GROUP=2, DK=128, DV=128, BV=64, LOAD_EVICT="evict_first", LOAD_CACHE="",
-           STORE_EVICT="evict_first", STORE_CACHE="")
+           STORE_EVICT="evict_first", STORE_CACHE="", BF16_WIDE=False)
 f32 = ("A_log", "dt_bias", "ssm_f32")
 i32 = ("head_is_bf16", "head_local", "state_indices")
 sig, consts, attrs = {}, {}, {}
@@ -235,6 +244,13 @@ for i, name in enumerate(fn.arg_names):
 ttgir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ttgir"]
 print("TILE_CONVERTS", len(re.findall(r"convert_layout .*: tensor<128x64x", ttgir)))
+# bf16 heads on [128, 128] tiles, 8 elements (16 B) per thread; the f32 tiles unchanged
+consts[(list(fn.arg_names).index("BF16_WIDE"),)] = True
+ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                     target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ttgir = ptx.asm["ttgir"]
+print("WIDE_CONVERTS", len(re.findall(r"convert_layout .*: tensor<128x(64|128)x", ttgir)),
+      "WIDE_V4", len(re.findall(r"ld\.global[^;]*\.v4\.b32", ptx.asm["ptx"])))
 """
 
 
@@ -252,6 +268,8 @@ def test_decode_f32_tile_keeps_one_register_layout():
                          timeout=300)
     assert "TILE_CONVERTS" in out.stdout, out.stderr[-2000:]
     assert out.stdout.split("TILE_CONVERTS")[1].split()[0] == "0", "the state tile changes register layout"
+    assert out.stdout.split("WIDE_CONVERTS")[1].split()[0] == "0", "a wide bf16 tile changes register layout"
+    assert int(out.stdout.split("WIDE_V4")[1].split()[0]) > 0
 
 
 def test_decode_rejects_bad_inputs():

@@ -72,3 +72,32 @@ def test_model_widths_on_gpu():
                                                                                        dtype=torch.bfloat16)
     gw = torch.ones(128, device="cuda", dtype=torch.bfloat16)
     assert _err(fused.gated_rmsnorm(o, z, gw, 1e-6), naive.gated_rmsnorm(o, z, gw, 1e-6)) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_write_kv(dtype):
+    """q/k norm + RoPE with k and v written to their cache pages in the same launch == qk_norm_rope then
+    write_kv; a negative slot is skipped; every other cache entry untouched (NaN-poisoned)."""
+    from linrnn_kernels.attention import naive as attn_naive
+
+    T, HQ, HK, D, rd, bs = 5, 4, 2, 32, 8, 4
+    qkv = torch.randn(T, HQ * 2 * D + 2 * HK * D, device=DEV).to(dtype)
+    q = qkv[:, : HQ * 2 * D].reshape(T, HQ, 2 * D)[..., :D]
+    k = qkv[:, HQ * 2 * D: HQ * 2 * D + HK * D].reshape(T, HK, D)
+    v = qkv[:, HQ * 2 * D + HK * D:].reshape(T, HK, D)
+    qw, kw = (0.1 * torch.randn(D, device=DEV)).to(dtype), (0.1 * torch.randn(D, device=DEV)).to(dtype)
+    pos = torch.tensor([0, 1, 5, 100, 4000], device=DEV)
+    inv = 1.0 / (1e7 ** (torch.arange(0, rd, 2, dtype=torch.float32, device=DEV) / rd))
+    slots = torch.tensor([3, 9, -1, 0, 14], device=DEV)
+    kc = torch.full((4, bs, HK, D), float("nan"), device=DEV).to(dtype)
+    vc = kc.clone()
+    rkc, rvc = kc.clone(), vc.clone()
+    qo = fused.qk_norm_rope_write_kv(q, k, v, qw, kw, pos, inv, 1e-6, kc, vc, slots)
+    rq, rk = naive.qk_norm_rope(q, k, qw, kw, pos, inv, 1e-6)
+    live = slots >= 0
+    attn_naive.write_kv(rk[live], v[live], rkc, rvc, slots[live])
+    assert _err(qo, rq) <= _tol(dtype)
+    written = ~torch.isnan(rkc.float())
+    assert torch.equal(written, ~torch.isnan(kc.float())) and torch.equal(written, ~torch.isnan(vc.float()))
+    assert _err(kc[written], rkc[written]) <= _tol(dtype)
+    assert torch.equal(vc[written], rvc[written])

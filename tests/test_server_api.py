@@ -285,6 +285,18 @@ def test_chat(client, engine):
     assert r.status_code == 200, r.text
 
 
+def test_unknown_fields_are_accepted_with_a_warning(client, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "frobnicate": 1, "priority": 3})
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                      "zz_unknown": {"a": 1}})
+        assert r.status_code == 200, r.text
+    assert "frobnicate" in caplog.text and "zz_unknown" in caplog.text
+
+
 def test_chat_stream_and_logprobs(client):
     req = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2, "logprobs": True,
            "top_logprobs": 2}
@@ -318,7 +330,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b"[1, 2]", 400, None, "invalid_json"),
     ("/v1/completions", b"\xff\xfe", 400, None, "invalid_json"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "missing_required_parameter"),
-    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "[a-", "guided_choice": ["a"]}, 400, "guided_choice", None),
     ("/v1/completions", {"prompt": 5}, 400, "prompt", "invalid_type"),
     ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt", "invalid_type"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "invalid_value"),
@@ -352,9 +364,14 @@ BAD_REQUESTS = [
      "messages[0].mood", "unknown_parameter"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages", "unsupported_parameter"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
-     "unsupported_parameter"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "retrieval"}]}, 400, "tools", None),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "auto"}, 400, "tool_choice", None),  # no --enable-auto-tool-choice
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice", None),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format", None),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format", None),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
@@ -362,7 +379,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "RAISE"}]}, 400, "messages",
      "chat_template_error"),
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs", None),
-    ("/v1/chat/completions", {**CHAT, "prompt": "x"}, 400, "prompt", "unknown_parameter"),
     ("/tokenize", {"prompt": "x", "messages": CHAT["messages"]}, 400, "prompt", None),
     ("/detokenize", {"tokens": [1, 299]}, 400, "tokens", None),
 ]

@@ -6,7 +6,7 @@
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 OUT=${OUT:-/tmp/out}
 K="tests/test_norm_kernels.py tests/test_gdn_kernels.py tests/test_hybrid_state.py tests/test_attention_kernels.py
-   tests/test_moe_kernels.py tests/test_quant_linear.py"
+   tests/test_moe_kernels.py tests/test_nvfp4_mma.py tests/test_quant_linear.py"
 timeout "${T_KERNELS:-330}" python3 -m pytest $K -n 8 --dist loadfile -q -p no:cacheprovider -rfE --timeout 300 \
   --junitxml="$OUT/gpu_kernel_tests.xml" 2>&1 | tee "$OUT/gpu_kernel_tests.log" | grep -vE "^(PASSED|SKIPPED)" | tail -80
 timeout "${T_ENGINE:-220}" python3 -m pytest -m gpu tests/test_engine_gpu.py tests/test_quant_checkpoints.py \

@@ -59,10 +59,13 @@ def env_info(**extra) -> dict:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        info["commit"] = "unknown"
+    # the device machine gets a copy of the tree without .git: the caller passes the commit
+    info["commit"] = os.environ.get("LINRNN_COMMIT", "")
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        except OSError:
+            info["commit"] = "unknown"
     info.update(extra)
     return info

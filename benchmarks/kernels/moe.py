@@ -3,7 +3,10 @@
 One sparse-MoE layer of Qwen3.5-35B-A3B shapes (E=256, top-8, H=2048, I=512) at B tokens, from
 router logits to the combined expert output, routing realistic (softmax of x @ W_router^T with
 random x and a router at HF init scale 0.02, so some experts are hot). Side by side, in one run:
-  nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the Hopper default)
+  nvfp4/mma       our default NVFP4 path on Hopper: decode batches on the MMA-fragment kernel
+                  (nvfp4_mma.py, experts repacked once per weight set as the loader does), large
+                  batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py)
+  nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the older Hopper kernel)
   nvfp4/w4a4      our kernels, W4A4 on FP4 tensor cores (sm_100+ only, added there automatically;
                   checked against the W4A4 reference, with a 2e-2 bound)
   nvfp4/triton    our kernels, NVFP4 experts, plain-Triton decode
@@ -48,13 +51,18 @@ TOL = 1e-2
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     p.add_argument("--sets", type=int, default=3, help="independent weight/input sets rotated through")
-    p.add_argument("--variants", default="nvfp4/asm,nvfp4/triton,fp8,bf16/ours,bf16/grouped_mm,nvfp4/dequant")
+    p.add_argument("--variants", default="nvfp4/mma,nvfp4/asm,bf16/ours,bf16/grouped_mm,fp8,nvfp4/triton,"
+                                          "nvfp4/dequant")
     p.add_argument("--out", default=None, help="directory for moe_<gpu>.md / .json")
     p.add_argument("--sweep", action="store_true", help="also sweep gate_up / down configs (nvfp4/asm)")
     p.add_argument("--no-graph", action="store_true", help="time eager calls instead of graph replays")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test; runs on CPU too)")
+    p.add_argument("--mma-sweep", action="store_true",
+                   help="also time the nvfp4/mma layer over (tokens per block, warps, k units per step)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one graph replay per variant: device time per kernel")
 
 
 # ------------------------------------------------------------------------------------ weights
@@ -129,12 +137,29 @@ def ours(logits, x, top_k, w13, w2, path=None):
     return experts.moe_experts(x, topw.to(x.dtype), ids, w13, w2, nvfp4_path=path)
 
 
+_PACKED: dict = {}
+
+
+def with_packed(w13: WeightTensor, w2: WeightTensor):
+    """The weights plus their MMA-fragment repack (done once per set, as the loader does)."""
+    from linrnn_kernels.moe import nvfp4_layout
+
+    out = []
+    for w, gated in ((w13, True), (w2, False)):
+        key = w.data.data_ptr()
+        if key not in _PACKED:
+            _PACKED[key] = nvfp4_layout.pack(w.data, w.block_scale, w.row_scale, gated)
+        out.append(w._replace(packed=_PACKED[key]))
+    return out
+
+
 def dequant_then_peer(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     return peer_grouped_mm(logits, x, top_k, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16))
 
 
 VARIANTS = {
     # name: (weight format, callable(logits, x, k, w13, w2))
+    "nvfp4/mma": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, *with_packed(a, b), "mma")),
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),
@@ -193,28 +218,33 @@ def graphed(fn, cuda: bool):
 
 # ---------------------------------------------------------------------------------- reporting
 
-def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict) -> str:
+def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict, ipw: dict | None = None) -> str:
     lines = [f"# MoE layer benchmark: E={rows[0]['E']}, top-{rows[0]['k']}, H={rows[0]['H']}, I={rows[0]['I']}",
              "", f"{info.get('gpu', 'cpu')} · torch {info['torch']} · triton {info.get('triton')} · "
              f"commit {info.get('commit', '?')[:12]} · {info['date']}", "",
              f"Copy bandwidth (same run): {copy_gbs:.0f} GB/s. Times: median us per layer call "
-             f"(router logits -> output), {rows[0]['timing']}; GB/s and % copy from the bytes that must move.",
-             "", "| B | experts hit | " + " | ".join(f"{v} us" for v in variants)
-             + " | nvfp4/asm GB/s | % copy | x vs bf16/grouped_mm | x vs bf16/ours |",
-             "|---:|---:|" + "---:|" * len(variants) + "---:|---:|---:|---:|"]
+             f"(router logits -> output), {rows[0]['timing']}; GB/s and % copy from the bytes that must move."]
+    if ipw:
+        lines += ["", "nvfp4/mma K loop, SASS instructions per weight (sm_90 compile, per GEMM and split): "
+                  + "; ".join(f"{k}: {v:.2f}" for k, v in ipw.items())]
+    pct_of = [v for v in ("nvfp4/mma", "nvfp4/asm", "bf16/ours") if v in variants]
+    lines += ["", "| B | experts hit | " + " | ".join(f"{v} us" for v in variants)
+              + "".join(f" | {v} % copy" for v in pct_of)
+              + " | mma x vs asm | mma x vs bf16/ours |",
+              "|---:|---:|" + "---:|" * (len(variants) + len(pct_of)) + "---:|---:|"]
     for r in rows:
         cells = []
         for v in variants:
             t = r["us"].get(v)
             cells.append(f"{t:.1f}" if isinstance(t, float) else str(t))
-        main = r["us"].get("nvfp4/asm")
-        gbs = r["gbs"].get("nvfp4/asm")
-        pct = f"{100 * gbs / copy_gbs:.0f} %" if gbs else "-"
-        vs = [f"{r['us'][p] / main:.2f}x" if isinstance(main, float) and isinstance(r["us"].get(p), float)
-              else "-" for p in ("bf16/grouped_mm", "bf16/ours")]
-        lines.append(f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells)
-                     + f" | {gbs:.0f} | {pct} | {vs[0]} | {vs[1]} |" if gbs else
-                     f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells) + " | - | - | - | - |")
+        for v in pct_of:
+            gbs = r["gbs"].get(v)
+            cells.append(f"{100 * gbs / copy_gbs:.0f} %" if gbs else "-")
+        main = r["us"].get("nvfp4/mma")
+        for p in ("nvfp4/asm", "bf16/ours"):
+            other = r["us"].get(p)
+            cells.append(f"{other / main:.2f}x" if isinstance(main, float) and isinstance(other, float) else "-")
+        lines.append(f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells) + " |")
     notes = sorted({n for r in rows for n in r.get("notes", [])})
     if notes:
         lines += ["", "Timed eagerly (no CUDA graph): " + "; ".join(notes)]
@@ -293,6 +323,54 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------ MMA sweep / profile
+
+# (tokens per block, warps per CTA, most k units per step, row groups per CTA for gate_up, down,
+#  prefetch of the next K step's codes and scales)
+MMA_CANDIDATES = [(8, 4, 4, 1, 1, False), (8, 4, 2, 1, 1, True), (8, 4, 1, 1, 1, True), (8, 4, 4, 1, 1, True),
+                  (8, 2, 2, 1, 1, True), (8, 4, 2, 1, 2, True), (8, 8, 2, 1, 1, True), (8, 4, 2, 1, 1, False)]
+
+
+def mma_key(tokens, warps, units, g13, g2, prefetch) -> str:
+    return f"t{tokens} w{warps} u{units} g{g13}/{g2}{' pf' if prefetch else ''}"
+
+
+def mma_sweep(sets, inputs, k, args, cuda) -> dict:
+    """Layer time of the nvfp4/mma path per (tokens, warps, units) candidate (graph replays)."""
+    out = {}
+    for tokens, warps, units, g13, g2, pf in MMA_CANDIDATES:
+        def call(s, x, logits):
+            topw, ids = router.route(logits, k, True)
+            a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
+            return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed, tokens=tokens,
+                                           warps=warps, units=units, groups=(g13, g2), prefetch=pf)
+        key = mma_key(tokens, warps, units, g13, g2, pf)
+        try:
+            calls = [graphed(lambda s=s, inp=inp: call(s, inp[0], inp[1]), cuda)[0] for s, inp in zip(sets, inputs)]
+            out[key] = bench(calls, args.warmup, args.rep, cuda)
+        except Exception as e:
+            out[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+    return out
+
+
+def profile_kernels(fn) -> dict:
+    """Device microseconds per kernel name over 20 replays of fn, divided by 20."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            times[ev.key[:60]] = round(t / 20, 2)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 # ---------------------------------------------------------------------------------------- run
 
 def run(args) -> int:
@@ -310,7 +388,7 @@ def run(args) -> int:
         print("torch._grouped_mm is missing: skipping the grouped_mm peer and dequant baseline")
         variants = [v for v in variants if v not in ("bf16/grouped_mm", "nvfp4/dequant")]
     if not cuda:
-        variants = [v for v in variants if v not in ("nvfp4/asm", "nvfp4/w4a4")]  # GPU-only paths
+        variants = [v for v in variants if v not in ("nvfp4/mma", "nvfp4/asm", "nvfp4/w4a4")]  # GPU-only paths
     elif torch.cuda.get_device_capability()[0] >= 10 and "nvfp4/w4a4" not in variants:
         variants.insert(1, "nvfp4/w4a4")  # FP4 tensor cores: time the (untested) W4A4 path too
     fmts = {VARIANTS[v][0] for v in variants}
@@ -363,10 +441,35 @@ def run(args) -> int:
                 row["us"][v] = f"error: {type(e).__name__}: {str(e)[:100]}"
         if args.sweep:
             row["sweep"] = sweep(shape, sets, B, args, cuda, device)
+        if args.mma_sweep and cuda:
+            row["mma_sweep"] = mma_sweep(sets, inputs, k, args, cuda)
+            print("mma sweep", B, json.dumps(row["mma_sweep"]), flush=True)
+        if args.profile and cuda:
+            row["profile"] = {}
+            for v in variants:
+                fmt, fn = VARIANTS[v]
+                s, inp = sets[0], inputs[0]
+                try:
+                    row["profile"][v] = profile_kernels(lambda: fn(inp[1], inp[0], k, s[(fmt, "w13")], s[(fmt, "w2")]))
+                except Exception as e:
+                    row["profile"][v] = f"failed: {type(e).__name__}: {e}"
+            print("profile", B, json.dumps(row["profile"]), flush=True)
         rows.append(row)
-        print(json.dumps({kk: vv for kk, vv in row.items() if kk != "sweep"}, default=str), flush=True)
+        print(json.dumps({kk: vv for kk, vv in row.items() if kk not in ("sweep", "mma_sweep", "profile")},
+                         default=str), flush=True)
 
-    table = markdown(rows, variants, copy_gbs, info)
+    ipw = None
+    if "nvfp4/mma" in variants:
+        try:
+            from linrnn_kernels.moe import nvfp4_mma
+
+            ipw = {f"{'gate_up' if g else 'down'} split {sp} u{u}{' pf' if pf else ''}":
+                   nvfp4_mma.k_loop_stats(gated=g, split=sp, units=u, prefetch=pf)["per_weight"]
+                   for g, sp, u, pf in ((True, 1, 4, False), (True, 2, 4, False), (False, 1, 4, False),
+                                        (False, 2, 4, False), (True, 1, 2, True), (True, 1, 1, True))}
+        except Exception as e:  # the table still stands without it
+            print(f"instruction count unavailable: {type(e).__name__}: {e}")
+    table = markdown(rows, variants, copy_gbs, info, ipw)
     if args.sweep:
         table += "\n## Config sweep (nvfp4, per GEMM, median us)\n\n"
         table += "| B | block_m | default | best gate_up | best down |\n|---:|---:|---|---|---|\n"
@@ -376,6 +479,20 @@ def run(args) -> int:
                 best = [f"{e['best'][0]} {e['best'][1]:.1f}" if e["best"] else "none" for e in
                         (entry["gate_up"], entry["down"])]
                 table += f"| {r['B']} | {bm} | {sw['default']} | {best[0]} | {best[1]} |\n"
+    if args.mma_sweep:
+        keys = [mma_key(*c) for c in MMA_CANDIDATES]
+        table += ("\n## nvfp4/mma layer time by t(okens per block) w(arps per CTA) u(most 64-k units per step) "
+                  "g(row groups per CTA: gate_up/down) pf(prefetch of the next K step), us\n\n")
+        table += "| B | " + " | ".join(keys) + " |\n|---:|" + "---:|" * len(keys) + "\n"
+        for r in rows:
+            cells = [r.get("mma_sweep", {}).get(kk) for kk in keys]
+            table += f"| {r['B']} | " + " | ".join(f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells) + " |\n"
+    if args.profile:
+        table += "\n## Device time per kernel (us per layer call, torch.profiler, eager calls)\n\n"
+        for r in rows:
+            for v, prof in r.get("profile", {}).items():
+                items = prof.items() if isinstance(prof, dict) else []
+                table += f"- B={r['B']} {v}: " + "; ".join(f"{kk} {vv}" for kk, vv in items) + "\n"
     print(table)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -385,7 +502,7 @@ def run(args) -> int:
         with open(os.path.join(args.out, f"moe_{tag}.json"), "w") as f:
             json.dump({"env": info, "copy_gbs": copy_gbs, "rows": rows}, f, indent=1, default=str)
         print(f"wrote {args.out}/moe_{tag}.md and .json")
-    ours_variants = [v for v in variants if v in ("nvfp4/asm", "nvfp4/triton", "fp8", "bf16/ours")]
+    ours_variants = [v for v in variants if v in ("nvfp4/mma", "nvfp4/asm", "nvfp4/triton", "fp8", "bf16/ours")]
     failed = [(r["B"], v) for r in rows for v in ours_variants if not isinstance(r["us"].get(v), float)]
     if failed:
         print(f"our kernels failed or were not timed at (B, variant): {failed}")

@@ -92,6 +92,12 @@ ENTRIES: list[Entry] = [
           "realistic routing",
           ("tests/test_moe_kernels.py",), None,
           "linrnn_bench.kernels.moe", ("--out", "{out}"), est_test_s=120, est_bench_s=180),
+    Entry("gemv", "skinny GEMM / split-K GEMV (+ fused router) vs cuBLAS on the model's dense decode projections",
+          ("cuBLAS (F.linear)",),
+          "Qwen3.5-35B-A3B dense projections (GDN in/out, attention qkv/o, shared expert, router, lm_head); "
+          "M in 1, 2, 4, 8, 16, 32",
+          ("tests/test_gemv_kernels.py",), "gpu",
+          "linrnn_bench.kernels.gemv", ("--out", "{out}"), est_test_s=60, est_bench_s=150),
     Entry("attention", "paged attention: split-K decode and varlen causal prefill (+ KV write)",
           ("torch SDPA (prefill, K/V expanded, contiguous)",),
           "Qwen3.5-35B-A3B attention: Hq 16, Hkv 2, D 256, block 16, bf16; decode B in 1..128 x context "
@@ -279,8 +285,10 @@ def environment() -> dict:
             return None
 
     return {"gpu": cmd("nvidia-smi", "--query-gpu=name", "--format=csv,noheader"),
-            "commit": cmd("git", "rev-parse", "HEAD"),
-            "dirty": bool(cmd("git", "status", "--porcelain", "--untracked-files=no")),
+            # the device machine runs a copy of the tree without its .git: the caller names the commit
+            "commit": os.environ.get("LINRNN_COMMIT") or cmd("git", "rev-parse", "HEAD"),
+            "dirty": False if os.environ.get("LINRNN_COMMIT") else bool(cmd("git", "status", "--porcelain",
+                                                                             "--untracked-files=no")),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": shlex.join(["linrnn-serve", "bench", "kernels"] + sys.argv[sys.argv.index("kernels") + 1:])
             if "kernels" in sys.argv else shlex.join(sys.argv), "python": sys.executable}

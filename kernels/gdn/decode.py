@@ -16,6 +16,7 @@ rounds (issue #4: 80 -> 85 % of copy bandwidth at B = 64, benchmarks/results/ker
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -26,22 +27,22 @@ from linrnn_kernels.gdn.common import (
     check_qkv,
     gates,
     head_state_offset,
-    load_state,
     num_sms,
     rows_view,
-    store_state,
 )
 
 
 class DecodeConfig(NamedTuple):
     """Launch shape of the decode kernel. bv: Dv columns per state tile; load / store: cache hint of the
     state load / store, an L2 eviction policy ("evict_first") or a PTX cache operator (".cg", ".cs"),
-    "" for none (ptxas takes one of the two kinds per access); maxnreg: register cap per thread."""
+    "" for none (ptxas takes one of the two kinds per access); maxnreg: register cap per thread;
+    bf16_wide: bf16-partition heads take [Dk, 2 bv] tiles (as many bytes per program as f32 heads)."""
     bv: int
     num_warps: int
     load: str = ""
     store: str = ""
     maxnreg: int | None = None
+    bf16_wide: bool = False
 
 
 @triton.jit
@@ -55,35 +56,20 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _gdn_decode_kernel(
-    q, k, v, a, b, A_log, dt_bias,
-    ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
-    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_a_tok, stride_b_tok, stride_f32_slot, stride_bf16_slot,
-    scale,
-    HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
-):
-    NV: tl.constexpr = DV // BV
-    pid = tl.program_id(0)
-    i_v = pid % NV
-    i_bh = pid // NV
-    i_b = (i_bh // HV).to(tl.int64)
-    i_h = i_bh % HV
-    i_hk = i_h // GROUP  # consecutive value heads share a key head (SPEC §1.5.6)
-
+def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, v0,
+                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                 stride_a_tok, stride_b_tok, scale,
+                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BVW: tl.constexpr, VEC: tl.constexpr,
+                 LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
+                 STORE_CACHE: tl.constexpr):
+    """One [DK, BVW] state tile of head i_h (columns v0..v0+BVW) of one partition pool, updated in place."""
     o_k = tl.arange(0, DK)
-    o_v = i_v * BV + tl.arange(0, BV)
-
-    # the state tile first: its address needs two dependent tiny loads, and it is the bulk of the bytes
-    slot = tl.load(state_indices + i_b)
-    is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
-                                      DK, DV)
-    # 4 elements per thread in either partition (16 B f32, 8 B bf16 accesses): Triton gives a load the
-    # widest vector of any same-shaped access in the kernel (bf16's 8 elements) but caps stores at 16 B,
-    # and f32 tiles then crossed shared memory, in barrier-separated rounds, between load and store layouts
-    offs = tl.max_contiguous(o_k[:, None] * DV + o_v[None, :], [1, 4])
-    s = load_state(ssm_f32, ssm_bf16, is_bf16, base, offs, LOAD_EVICT, LOAD_CACHE)
+    o_v = v0 + tl.arange(0, BVW)
+    # VEC elements per thread: f32 tiles take 4 (16 B) in both directions, so an f32 tile never changes
+    # register layout between its load and its store (Triton gives a load the widest vector of any
+    # same-shaped access but caps stores at 16 B; a mismatch sent f32 tiles through shared memory)
+    offs = tl.max_contiguous(o_k[:, None] * DV + o_v[None, :], [1, VEC])
+    s = tl.load(pool + base + offs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE).to(tl.float32)
 
     b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
     b_k = tl.load(k + i_b * stride_k_tok + i_hk * stride_k_head + o_k).to(tl.float32)
@@ -104,7 +90,50 @@ def _gdn_decode_kernel(
     s = s * decay + (b_k * r_k)[:, None] * u[None, :]
 
     tl.store(o + (i_b * HV + i_h) * DV + o_v, b_o.to(o.dtype.element_ty))
-    store_state(ssm_f32, ssm_bf16, is_bf16, base, offs, s, STORE_EVICT, STORE_CACHE)
+    tl.store(pool + base + offs, s.to(pool.dtype.element_ty), eviction_policy=STORE_EVICT,
+             cache_modifier=STORE_CACHE)
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q, k, v, a, b, A_log, dt_bias,
+    ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_a_tok, stride_b_tok, stride_f32_slot, stride_bf16_slot,
+    scale,
+    HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
+    BF16_WIDE: tl.constexpr = False,
+):
+    NV: tl.constexpr = DV // BV
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_bh = pid // NV
+    i_b = (i_bh // HV).to(tl.int64)
+    i_h = i_bh % HV
+    i_hk = i_h // GROUP  # consecutive value heads share a key head (SPEC §1.5.6)
+
+    # the state tile's address first: two dependent tiny loads, and the tile is the bulk of the bytes
+    slot = tl.load(state_indices + i_b)
+    is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
+                                      DK, DV)
+    if is_bf16 != 0:
+        if BF16_WIDE:
+            # bf16 heads move as many bytes per program as f32 ones: [DK, 2 BV] tiles with 16-byte
+            # accesses from the even programs of the head; the odd ones have nothing to do
+            if i_v % 2 == 0:
+                _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v * BV,
+                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                             stride_a_tok, stride_b_tok, scale, HV, DK, DV, 2 * BV, 8,
+                             LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
+        else:
+            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v * BV,
+                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                             stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, 4, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
+    else:
+        _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v * BV,
+                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                             stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, 4, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
 
 
 def _hints(kind: str, hint: str) -> dict:
@@ -130,7 +159,13 @@ def decode_config(B: int, Hv: int, Dk: int, Dv: int, device) -> DecodeConfig:
         bv, warps = 32, 2
     else:
         bv, warps = min(16, Dv), 2
-    return DecodeConfig(bv, warps, "evict_first", "evict_first")
+    return DecodeConfig(bv, warps, "evict_first", "evict_first", None, bf16_wide_default())
+
+
+def bf16_wide_default() -> bool:
+    """LINRNN_GDN_BF16_WIDE=1 turns on [Dk, 2 bv] tiles for the bf16 partition (off until measured on
+    the GPU: tools/gpu_small.sh runs the gdn-decode entry both ways)."""
+    return os.environ.get("LINRNN_GDN_BF16_WIDE", "0") == "1"
 
 
 def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices,
@@ -157,7 +192,8 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
         Dk ** -0.5,
-        HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, **_hints("LOAD", cfg.load),
+        HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, BF16_WIDE=bool(cfg.bf16_wide) and Dv // cfg.bv >= 2,
+        **_hints("LOAD", cfg.load),
         **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return o

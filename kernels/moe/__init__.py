@@ -3,11 +3,18 @@
 Triton kernels on CUDA tensors (linrnn_kernels.dispatch.use_triton), the naive reference otherwise:
   route(router_logits [T, E], top_k, renormalize) -> (topk_weights f32 [T, k], topk_ids [T, k])
       (int32 ids from the kernel, int64 from the reference)
-  moe_experts(x [T, H], topk_weights, topk_ids, w13: WeightTensor [E, 2I, H], w2: WeightTensor [E, H, I])
-      -> [T, H] in x.dtype
-Modules: router.py (softmax/top-k), align.py (expert-sorted blocks), grouped_gemm.py (the one
+  moe_experts(x [T, H], topk_weights, topk_ids, w13: WeightTensor [E, 2I, H], w2: WeightTensor [E, H, I],
+              alignment=None) -> [T, H] in x.dtype
+  route_align(x [T, K], gate_w: WeightTensor [E (+ shared gate), K], E, top_k, renormalize, shared_w13=None)
+      -> (logits [T, NL] in x.dtype, topk_weights in x.dtype, topk_ids, alignment or None, h or None):
+      the whole router; decode-sized batches run it as one kernel (router_fused.py, whose alignment the
+      expert pipeline then reuses; with shared_w13 it also returns the shared expert's SiLU(gate)*up h),
+      else the gate GEMM, route() and a cast (h None: the caller computes it)
+Modules: router.py (softmax/top-k), router_fused.py (gate GEMM + routing + alignment), align.py (expert-sorted blocks), grouped_gemm.py (the one
 GEMM kernel for dense / fp8 / nvfp4 weights, also behind linrnn_kernels.quant.linear), experts.py
 (the pipeline), naive.py (the oracle).
+NVFP4 experts repacked at load time (nvfp4_layout.py, WeightTensor.packed) run decode batches on
+Hopper through the Gluon MMA-fragment kernel (nvfp4_mma.py; `mma_path_available()`).
 `nvfp4_gemm_path()` names the NVFP4 GEMM implementation in use ("asm": W4A16 dequantize-in-register
 on Hopper; "dot_scaled": W4A4 on FP4 tensor cores, sm_100+, untested) and `describe_nvfp4_gemm()`
 is the matching startup log line.
@@ -16,7 +23,14 @@ from linrnn_kernels.dispatch import use_triton
 from linrnn_kernels.moe import naive
 from linrnn_kernels.moe.grouped_gemm import describe_nvfp4_gemm, nvfp4_gemm_path
 
-__all__ = ["route", "moe_experts", "describe_nvfp4_gemm", "nvfp4_gemm_path"]
+__all__ = ["route", "route_align", "moe_experts", "describe_nvfp4_gemm", "nvfp4_gemm_path", "mma_path_available"]
+
+
+def mma_path_available(device=None) -> bool:
+    """Whether NVFP4 experts should be repacked for the MMA-fragment decode kernel (nvfp4_mma.py)."""
+    from linrnn_kernels.moe import nvfp4_mma
+
+    return nvfp4_mma.available(device)
 
 
 def route(router_logits, top_k: int, renormalize: bool):
@@ -27,10 +41,31 @@ def route(router_logits, top_k: int, renormalize: bool):
     return naive.route(router_logits, top_k, renormalize)
 
 
-def moe_experts(x, topk_weights, topk_ids, w13, w2):
+def route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, shared_w13=None):
+    from linrnn_kernels.gemv import config as gemv_config
+    from linrnn_kernels.gemv import fused_linear
+
+    M = x.shape[0]
+    if (use_triton(x) and gemv_config.fused_router_enabled() and gate_w.fmt == "dense" and 1 <= M <= 32
+            and M * top_k <= 512 and num_experts <= 1024):
+        from linrnn_kernels.moe import experts, router_fused
+
+        block_m = experts.expert_block_m(M, top_k, num_experts)
+        shared = shared_w13 if shared_w13 is not None and shared_w13.fmt == "dense" else None
+        n_all = gate_w.out_features + (shared.out_features // 2 if shared is not None else 0)
+        cfg = gemv_config.skinny_config(M, n_all, gate_w.in_features, "dense", x.device)
+        logits, w, ids, (sorted_ids, expert_ids, num_padded), h = router_fused.route_align(
+            x, gate_w, num_experts, top_k, renormalize, block_m, cfg, shared_w13=shared)
+        return logits, w, ids, experts.Alignment(sorted_ids, expert_ids, num_padded, block_m), h
+    logits = fused_linear(x, gate_w)
+    w, ids = route(logits[:, :num_experts], top_k, renormalize)
+    return logits, w.to(x.dtype), ids, None, None
+
+
+def moe_experts(x, topk_weights, topk_ids, w13, w2, alignment=None):
     if use_triton(x):
         from linrnn_kernels.moe import experts
 
         if experts.supported(x, w13, w2):
-            return experts.moe_experts(x, topk_weights, topk_ids, w13, w2)
+            return experts.moe_experts(x, topk_weights, topk_ids, w13, w2, alignment=alignment)
     return naive.moe_experts(x, topk_weights, topk_ids, w13, w2)

@@ -6,11 +6,27 @@ host, so the whole thing can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from linrnn_kernels.moe import grouped_gemm as gg
+from linrnn_kernels.moe import nvfp4_mma
 from linrnn_kernels.moe.align import moe_align_block_size
 from linrnn_kernels.quant import WeightTensor
+
+# Above this mean number of (token, expert) pairs per expert the 8-token MMA-fragment kernel would
+# decode every weight tile once per 8 tokens: large batches (prefill) use the dequantize-in-tile
+# grouped GEMM with wide row blocks instead
+MMA_MAX_MEAN_PAIRS = 16
+
+# At and above this mean number of pairs per expert (and on a GPU, activations bf16) NVFP4 experts are
+# dequantized once per layer call into a bf16 scratch and the bf16 grouped GEMM runs on it (prefill:
+# the GEMMs are compute-bound there and bf16 tensor cores need no decode); dequant.py
+# H200, 35B-A3B shapes (results/kernels/moe/prefill): the dequantization costs ~0.88 ms per layer call;
+# B = 2048 (64 pairs per expert): 1.41 ms NVFP4 grouped GEMM vs 1.57 dequant + bf16 (a loss);
+# B = 4096 (128): 2.16 vs 1.93; B = 8192: 4.23 vs 2.99
+DEQUANT_MIN_MEAN_PAIRS = 128
 
 # Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
 # (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
@@ -27,11 +43,26 @@ def supported(x: torch.Tensor, *weights: WeightTensor) -> bool:
     return all(w.fmt == "dense" for w in weights) or (major, minor) >= (8, 9)
 
 
+class Alignment(NamedTuple):
+    """moe_align_block_size's outputs computed ahead (the fused router), for block_m rows per block."""
+
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+
+
+def expert_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """The block_m moe_configs picks for this batch (so a router can align for it ahead of time)."""
+    over = gg._config_override("gate_up") or gg._config_override("down")
+    return over.block_m if over else gg.moe_block_m(num_tokens, top_k, num_experts)
+
+
 def moe_configs(num_tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
                 fmt13: str, fmt2: str, device) -> tuple[gg.GemmConfig, gg.GemmConfig]:
     """(gate_up, down) configs: the default table, or LINRNN_MOE_{GATE_UP,DOWN}_CONFIG overrides."""
     over13, over2 = gg._config_override("gate_up"), gg._config_override("down")
-    block_m = (over13 or over2).block_m if (over13 or over2) else gg.moe_block_m(num_tokens, top_k, num_experts)
+    block_m = expert_block_m(num_tokens, top_k, num_experts)
     active = min(num_experts, num_tokens * top_k)
     cfg13 = over13 or gg.default_config(fmt13, True, block_m, active, inter, hidden, device)
     cfg2 = over2 or gg.default_config(fmt2, False, block_m, active, hidden, inter, device)
@@ -39,10 +70,13 @@ def moe_configs(num_tokens: int, top_k: int, num_experts: int, inter: int, hidde
 
 
 def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                w13: WeightTensor, w2: WeightTensor, *, configs=None, nvfp4_path: str | None = None):
+                w13: WeightTensor, w2: WeightTensor, *, configs=None, nvfp4_path: str | None = None,
+                alignment: Alignment | None = None):
     """Triton twin of naive.moe_experts. `configs` = (gate_up, down) GemmConfigs with equal
-    block_m (default: moe_configs); `nvfp4_path` = "asm" | "triton" | "dot_scaled" (default:
-    nvfp4_gemm_path())."""
+    block_m (default: moe_configs); `nvfp4_path` = "asm" | "triton" | "dot_scaled" forces that
+    grouped-GEMM decode; None or "mma" picks by batch: the MMA-fragment kernel for decode batches
+    (packed weights, Hopper), bf16 dequantization for large ones, else nvfp4_gemm_path().
+    `alignment`: topk_ids already aligned (used when its block_m matches the path's: 8 for the MMA path)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
@@ -56,6 +90,15 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     inter = w13.out_features // 2
     gg.check_weight(w13, "w13", E, 2 * inter, H)
     gg.check_weight(w2, "w2", E, H, inter)
+    if nvfp4_path == "mma":  # the default NVFP4 paths by batch size (the MMA kernel where it can run)
+        nvfp4_path = None
+    if (configs is None and nvfp4_path is None and w13.fmt == "nvfp4" and w2.fmt == "nvfp4" and x.is_cuda
+            and x.dtype == torch.bfloat16 and T * top_k >= DEQUANT_MIN_MEAN_PAIRS * E
+            and not gg._interpreting() and gg.nvfp4_gemm_path(x.device) != "dot_scaled"):  # sm_100: FP4 MMA
+        from linrnn_kernels.moe import dequant
+
+        return moe_experts(x, topk_weights, topk_ids, dequant.dequantize(w13, x.dtype),
+                           dequant.dequantize(w2, x.dtype))
     out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -67,10 +110,16 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
         return out
     x = x.contiguous()
     P = T * top_k
+    if (configs is None and nvfp4_path is None and w13.packed is not None and w2.packed is not None
+            and P <= MMA_MAX_MEAN_PAIRS * E and x.dtype == torch.bfloat16 and nvfp4_mma.available(x.device)):
+        return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out, alignment=alignment)
     cfg13, cfg2 = configs or moe_configs(T, top_k, E, inter, H, w13.fmt, w2.fmt, x.device)
     if cfg13.block_m != cfg2.block_m:
         raise ValueError(f"gate_up and down configs must share block_m ({cfg13.block_m} != {cfg2.block_m})")
-    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, cfg13.block_m)
+    if alignment is not None and alignment.block_m == cfg13.block_m:
+        sorted_ids, expert_ids = alignment.sorted_ids, alignment.expert_ids
+    else:
+        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, cfg13.block_m)
     blocks = expert_ids.numel()
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   nvfp4_path=nvfp4_path)
@@ -87,5 +136,55 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     part = gg.alloc(cfg2.split_k, P, H, dtype=torch.float32, device=x.device)
     route_w = topk_weights.reshape(-1).contiguous()
     gg.launch_gemm(h, w2, part, cfg2, n=H, k=inter, route_weights=route_w, **common)
+    gg.sum_reduce(part, out, group=top_k)
+    return out
+
+
+def mma_tokens(num_pairs: int, num_experts: int) -> int:
+    """Tokens per expert block. 16-token blocks (one decode for experts with 9-16 tokens) measured
+    slower than 8 at every batch on the H200 (79 vs 56 registers; results/kernels/moe), so 8."""
+    return 8
+
+
+def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
+                    out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
+                    tokens: int | None = None, warps: int = 4, units: int = nvfp4_mma.DEFAULT_UNITS,
+                    groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
+                    alignment: Alignment | None = None):
+    """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
+    w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py).
+    Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
+    in natural k order."""
+    T, H = x.shape
+    top_k = topk_ids.shape[1]
+    E = p13.codes.shape[0]
+    inter = p13.n // 2
+    if out is None:
+        out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
+    P = T * top_k
+    tokens = tokens or mma_tokens(P, E)
+    if alignment is not None and alignment.block_m == tokens:  # e.g. from the fused router
+        sorted_ids, expert_ids = alignment.sorted_ids, alignment.expert_ids
+    else:
+        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, tokens)
+    blocks = expert_ids.numel()
+    active = min(E, P)
+    sms = nvfp4_mma.num_sms(x.device)
+    if splits is None:
+        splits = tuple(nvfp4_mma.split_k(p.codes.shape[2], active * nvfp4_mma.programs_per_block(p, warps) // g, sms)
+                       for p, g in ((p13, groups[0]), (p2, groups[1])))
+    s13, s2 = splits
+    common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
+                  tokens=tokens, warps=warps, units=units, prefetch=prefetch)
+    h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
+    if s13 == 1:
+        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], **common)
+    else:
+        ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device)
+        nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], **common)
+        gg.silu_mul_reduce(ws, h)
+    part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
+    nvfp4_mma.launch(h, p2, part, route_weights=topk_weights.reshape(-1).contiguous(), split=s2,
+                     groups=groups[1], **common)
     gg.sum_reduce(part, out, group=top_k)
     return out

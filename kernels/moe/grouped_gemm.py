@@ -444,6 +444,8 @@ def nvfp4_gemm_path(device=None) -> str:
     inline PTX: sm_89 / sm_90), or "triton" (W4A16 with plain Triton ops: the interpreter, or when
     forced). LINRNN_NVFP4_GEMM=asm|triton|dot_scaled overrides (asm keeps W4A16 numerics on sm_100)."""
     forced = os.environ.get("LINRNN_NVFP4_GEMM", "auto")
+    if forced == "mma":  # the MMA-fragment decode kernel (nvfp4_mma.py); this file's paths run as auto
+        forced = "auto"
     if forced in NVFP4_MODES:
         return forced
     if forced != "auto":
@@ -467,6 +469,10 @@ def describe_nvfp4_gemm(device=None) -> str:
             "triton": "W4A16, dequantize-in-register (Triton integer decode)",
             "dot_scaled": "W4A4, tl.dot_scaled e2m1 x e2m1 on FP4 tensor cores (activations "
                           "quantized to NVFP4; UNTESTED)"}[path]
+    from linrnn_kernels.moe import nvfp4_mma
+
+    if path != "dot_scaled" and nvfp4_mma.available(device):
+        what = "W4A16, MMA-fragment Gluon kernel for decode batches (repacked experts), " + what + " otherwise"
     return f"NVFP4 GEMM: {what} ({arch})"
 
 

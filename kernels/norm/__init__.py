@@ -1,4 +1,5 @@
-"""Fused row-wise ops: residual add + zero-centred RMSNorm, gated RMSNorm, SiLU*mul, q/k norm + RoPE."""
+"""Fused row-wise ops: residual add + zero-centred RMSNorm, gated RMSNorm, SiLU*mul, q/k norm + RoPE
+(optionally with the KV-cache write of k and v in the same launch)."""
 from linrnn_kernels.dispatch import use_triton
 from linrnn_kernels.norm import naive
 
@@ -29,3 +30,21 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps):
         from linrnn_kernels.norm.fused import qk_norm_rope as kern
         return kern(q, k, q_weight, k_weight, positions, inv_freq, eps)
     return naive.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps)
+
+
+def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache, slot_mapping):
+    """q/k norm + RoPE, k and v written to their KV-cache pages; returns q. One launch on CUDA unless
+    LINRNN_FUSED_ROPE_KV=0 (then qk_norm_rope and the attention write_kv, two launches)."""
+    import os
+
+    if use_triton(q):
+        if os.environ.get("LINRNN_FUSED_ROPE_KV", "1") != "0":
+            from linrnn_kernels.norm.fused import qk_norm_rope_write_kv as kern
+            return kern(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache, slot_mapping)
+        from linrnn_kernels.attention import write_kv
+
+        q, k = qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps)
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+    return naive.qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache,
+                                       slot_mapping)

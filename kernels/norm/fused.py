@@ -100,20 +100,31 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, qo_ptr, ko_ptr,
                          HQ, HK, D, eps, sq_t, sq_h, sk_t, sk_h,
-                         HALF: tl.constexpr, BLOCK: tl.constexpr):
+                         v_ptr, sv_t, sv_h, kc_ptr, vc_ptr, slot_ptr, s_cb, s_cs, s_ch,
+                         HALF: tl.constexpr, BLOCK: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    is_v = False
+    if WRITE_KV:  # k goes to its cache page, not to ko; programs past the k heads copy v to its page
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        page = (slot // BS) * s_cb + (slot % BS) * s_cs
+        is_v = hh >= HQ + HK
+        if is_v:
+            if slot >= 0:
+                hv = hh - HQ - HK
+                xv = tl.load(v_ptr + t * sv_t + hv * sv_h + cols, mask=mask, other=0.0)
+                tl.store(vc_ptr + page + hv * s_ch + cols, xv.to(vc_ptr.dtype.element_ty), mask=mask)
     is_q = hh < HQ
     if is_q:
         src = q_ptr + t * sq_t + hh * sq_h
         w_ptr = qw_ptr
         dst = qo_ptr + (t * HQ + hh) * D
-    else:
-        src = k_ptr + t * sk_t + (hh - HQ) * sk_h
+    else:  # (v programs compute on their last k head's row, in bounds, and store nothing)
+        src = k_ptr + t * sk_t + tl.minimum(hh - HQ, HK - 1) * sk_h
         w_ptr = kw_ptr
         dst = ko_ptr + (t * HK + (hh - HQ)) * D
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
     x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     xn = x * rstd * (1.0 + tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32))
@@ -125,7 +136,16 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_ptr, qo_ptr,
     freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + (cols % HALF), mask=rot, other=0.0)
     sign = tl.where(cols < HALF, -1.0, 1.0)
     out = tl.where(rot, xn * tl.cos(freq) + sign * xp * tl.sin(freq), xn)
-    tl.store(dst + cols, out.to(qo_ptr.dtype.element_ty), mask=mask)
+    if WRITE_KV:
+        if is_q:
+            tl.store(dst + cols, out.to(qo_ptr.dtype.element_ty), mask=mask)
+        else:
+            if slot >= 0:
+                if not is_v:  # k: rounded to the activation dtype (the unfused output), then the cache's
+                    kv = out.to(qo_ptr.dtype.element_ty)
+                    tl.store(kc_ptr + page + (hh - HQ) * s_ch + cols, kv.to(kc_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst + cols, out.to(qo_ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps: float):
@@ -139,5 +159,35 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps: float):
     if T:
         _qk_norm_rope_kernel[(T, HQ + HK)](q, k, q_weight, k_weight, positions, inv_freq, qo, ko, HQ, HK, D, eps,
                                            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                           HALF=inv_freq.numel(), BLOCK=BLOCK, num_warps=_warps(BLOCK))
+                                           q, 0, 0, q, q, positions, 0, 0, 0,
+                                           HALF=inv_freq.numel(), BLOCK=BLOCK, WRITE_KV=False, BS=1,
+                                           num_warps=_warps(BLOCK))
     return qo, ko
+
+
+def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, eps: float, k_cache, v_cache,
+                          slot_mapping):
+    """qk_norm_rope, with the normed, rotated k and the raw v scattered straight into their cache pages
+    ([num_blocks, block_size, Hkv, D], slot_mapping [T]; negative slots skipped) in the same launch.
+    Returns the contiguous q only (k is read back from the cache by attention)."""
+    from linrnn_kernels.attention.common import check_cache
+
+    check_cache(k_cache, v_cache)
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    _, bs, hkv, d = k_cache.shape
+    if k.shape != (T, hkv, d) or v.shape != (T, hkv, d) or d != D:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T={T}, {hkv}, {d}] to match the cache")
+    if slot_mapping.shape != (T,) or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"slot_mapping must be [T={T}] and the K / V caches laid out alike")
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+    qo = torch.empty(T, HQ, D, dtype=q.dtype, device=q.device)
+    BLOCK = triton.next_power_of_2(D)
+    if T:
+        _qk_norm_rope_kernel[(T, HQ + 2 * HK)](
+            q, k, q_weight, k_weight, positions, inv_freq, qo, qo, HQ, HK, D, eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v, v.stride(0), v.stride(1), k_cache, v_cache, slot_mapping,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            HALF=inv_freq.numel(), BLOCK=BLOCK, WRITE_KV=True, BS=bs, num_warps=_warps(BLOCK))
+    return qo

@@ -45,3 +45,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight, k_weight, positions
         rot = torch.cat([-xr[..., rd // 2:], xr[..., : rd // 2]], -1)
         out.append(torch.cat([xr * cos + rot * sin, xp], -1).to(x.dtype))
     return out[0], out[1]
+
+
+def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, eps: float, k_cache, v_cache,
+                          slot_mapping):
+    """qk_norm_rope, then the attention write_kv of (k, v): returns q."""
+    from linrnn_kernels.attention import naive as attn_naive
+
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps)
+    attn_naive.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q

@@ -19,6 +19,9 @@ class WeightTensor(NamedTuple):
     data: torch.Tensor
     block_scale: torch.Tensor | None = None
     row_scale: torch.Tensor | None = None
+    # nvfp4 only: the same weights repacked into MMA fragments (linrnn_kernels.moe.nvfp4_layout
+    # PackedNvfp4), set at load time for the Hopper decode kernel; None elsewhere
+    packed: object | None = None
 
     @property
     def out_features(self) -> int:

@@ -131,10 +131,21 @@ class WeightLoader:
             self.covered[head] = torch.ones(cfg.vocab_size, dtype=torch.bool)
         incomplete = [n for n in self.params if not self._complete(n)]
         if not incomplete:
+            self._repack(source)
             return
         missing = [n for n in standard_names(cfg, self._required_suffixes) if not self._name_covered(n)]
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise CheckpointError(f"{source}: checkpoint is missing tensors: {shown or incomplete[:8]}")
+
+    def _repack(self, source: str) -> None:
+        """Kernel-specific weight layouts, built once all rows are in (e.g. NVFP4 experts as MMA
+        fragments for the Hopper decode kernel: layers/moe.py Experts.repack_for_kernels)."""
+        for name, mod in self.model.named_modules():
+            if hasattr(mod, "repack_for_kernels"):
+                try:
+                    mod.repack_for_kernels(name)
+                except ValueError as e:
+                    raise CheckpointError(f"{source}: {e}") from None
 
     def _complete(self, pname: str) -> bool:
         cov = self.covered.get(pname)

@@ -98,6 +98,10 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def default_sampling_params(self) -> dict:
+        return self.engine.default_sampling_params
+
+    @property
     def config(self) -> EngineConfig:
         return self.engine.config
 
@@ -131,9 +135,10 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is shutting down" if self._dead is None else
                                   f"the engine loop stopped: {self._dead!r}")
         params = params if params is not None else SamplingParams()
-        params.validate()
+        params.validate(self.engine.config.max_logprobs)
         eng = self.engine
         text, ids = eng.tokenize_prompt(prompt)
+        ids = eng.prepare_request(ids, params)  # may compile a grammar: StructuredOutputError -> 400
         eng.check_prompt(len(ids), params)
         if params.n > eng.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={eng.config.max_num_seqs}")

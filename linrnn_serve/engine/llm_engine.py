@@ -25,7 +25,9 @@ from linrnn_serve.config import EngineConfig, ModelConfig
 from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
 from linrnn_serve.engine.outputs import CompletionOutput, EngineFullError, PromptTooLongError, RequestOutput
+from linrnn_serve.engine.structured_output import StructuredOutputs
 from linrnn_serve.engine.tokenizer import Tokenizer
+from linrnn_serve.generation_config import default_sampling_params
 from linrnn_serve.models.loading import resolve_device, resolve_dtype
 from linrnn_serve.sampling_params import SamplingParams
 from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
@@ -33,6 +35,7 @@ from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
+ALLOW_LONG_ENV = "LINRNN_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN works too
 
 
 @dataclass
@@ -79,8 +82,14 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > cfg.max_position_embeddings:
-            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len,
-                        cfg.max_position_embeddings)
+            if os.environ.get(ALLOW_LONG_ENV, os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")) not in ("1", "true"):
+                raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit "
+                                 f"(max_position_embeddings {cfg.max_position_embeddings}); set {ALLOW_LONG_ENV}=1 to "
+                                 f"allow it anyway")
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d (%s=1)", self.max_model_len,
+                        cfg.max_position_embeddings, ALLOW_LONG_ENV)
+        self.default_sampling_params = default_sampling_params(
+            config.generation_config, resolved.model_dir, config.override_generation_config)
         self.tokenizer = self._load_tokenizer(resolved)
 
         calib = None
@@ -100,6 +109,7 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(blocks, SlotAllocator(self.budget.num_snapshots), config.block_size,
                                         layout_key=self.executor.describe().get("state_layout")) \
             if config.enable_prefix_caching else None
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, eos)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.block_size),
@@ -212,11 +222,12 @@ class LLMEngine:
                     arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> Request:
         """Queue a request. Raises SamplingParamError, ValueError, PromptTooLongError, EngineFullError."""
         params = params if params is not None else SamplingParams()
-        params.validate()
+        params.validate(self.config.max_logprobs)
         if prompt_token_ids is not None:
             text, ids = (prompt if isinstance(prompt, str) else None), self.tokenize_prompt(prompt_token_ids)[1]
         else:
             text, ids = self.tokenize_prompt(prompt)
+        ids = self.prepare_request(ids, params)
         self.check_prompt(len(ids), params)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
@@ -227,13 +238,37 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, seed, prompt=text, arrival_time=arrival_time)
         self.scheduler.add_request(req)
+        if self.structured.needs(params):
+            self.structured.add([s.seq_id for s in req.seqs], params)
         return req
+
+    def prepare_request(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """Per-request extras that need the tokenizer or the grammar compiler, checked before queueing:
+        truncate_prompt_tokens (keep the last N), bad_words -> token sequences, structured output /
+        allowed_token_ids compiled (StructuredOutputError names what cannot compile). Returns the ids."""
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer")
+            seqs = []
+            for w in params.bad_words:  # as vLLM: the word alone and after a space
+                for v in (w, " " + w.lstrip()):
+                    t = self.tokenizer.encode(v, add_special_tokens=False)
+                    if t and t not in seqs:
+                        seqs.append(t)
+            params.bad_words_token_ids = seqs
+        if self.structured.needs(params):
+            self.structured.check(params)
+        return ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request; returns its final output (finish_reason 'abort'), None if unknown/finished."""
         req = self.scheduler.abort_request(request_id)
         if req is None:
             return None
+        for s in req.seqs:
+            self.structured.remove(s.seq_id)
         self._observe_finish(req, time.monotonic())
         return self._output(req)
 
@@ -253,16 +288,26 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
+        constrained = self.structured.constraints
+        if constrained and (any(r.sampling.seq_id in constrained for r in plan.decode) or any(
+                s.seq_id in constrained for r in plan.prefill for s in r.samples)):
+            plan.fill_bitmask = self.structured.fill
         result = self.executor.execute(plan)
         if self.capture_logits:
             self._log_logits()
         now = time.monotonic()
+        if constrained:
+            for sid, tok in result.sampled.items():
+                self.structured.accept(sid, tok.token_id)
         reqs = self.scheduler.postprocess(plan, result, now)
         self.num_steps += 1
         outs = []
         for req in reqs:
             if req.finished:
                 self._observe_finish(req, now)
+                if constrained:
+                    for s in req.seqs:
+                        self.structured.remove(s.seq_id)
             outs.append(self._output(req))
         return outs
 

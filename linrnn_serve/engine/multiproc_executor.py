@@ -14,6 +14,8 @@ loop stops (the server answers 503, then exits).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import multiprocessing as mp
 import os
@@ -94,8 +96,11 @@ class MultiprocExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         self.check_health()
         try:
+            # the grammar-bitmask filler (structured output) is a host callback of the core: only rank 0, which
+            # samples the tokens everyone continues from, applies it; the other ranks get the plain data
+            sent = dataclasses.replace(plan, fill_bitmask=None) if plan.fill_bitmask is not None else plan
             for conn in self.conns:
-                conn.send(("execute", plan))
+                conn.send(("execute", sent))
             return self.worker.execute(plan)
         except WorkerDiedError:
             raise

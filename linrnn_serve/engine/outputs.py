@@ -13,6 +13,10 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # LLM.chat with a reasoning / tool-call parser: the text split into its parts (None: not parsed)
+    reasoning_content: str | None = None
+    content: str | None = None
+    tool_calls: list[dict] | None = None
 
     @property
     def finished(self) -> bool:

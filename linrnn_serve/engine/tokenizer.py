@@ -298,3 +298,15 @@ def _jinja_env():
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """--chat-template / chat_template=: a file holding the template, or the template text itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise TokenizerError(f"chat template {value!r} is neither a file nor template text (jinja with {{ }} / {{% %}})")

@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 import linrnn_kernels.attention as attn_ops
+import linrnn_kernels.gemv as gemv_ops
 import linrnn_kernels.norm as norm_ops
 from linrnn_serve.batch import AttnLayerState, ForwardBatch
 from linrnn_serve.config import ModelConfig
 from linrnn_serve.layers.linear import DenseWeights, FusedLinear, Linear
+from linrnn_serve.layers.norms import PostNorm
 
 
 class GatedAttention(nn.Module):
@@ -36,16 +38,22 @@ class GatedAttention(nn.Module):
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, st: AttnLayerState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, st: AttnLayerState, post: PostNorm | None = None):
+        """Mixer output [T, H]; with `post`, (post-normed output, new residual), the output gate, o_proj,
+        residual add and post norm fused into one kernel where the skinny GEMM takes the shape."""
         T = x.shape[0]
         qg, k, v = torch.split(self.qkv_proj(x), [self.hq * self.d * 2, self.hkv * self.d, self.hkv * self.d], -1)
         qg = qg.reshape(T, self.hq, 2 * self.d)
-        q, gate = qg[..., : self.d], qg[..., self.d:].reshape(T, self.hq * self.d)
-        q, k = norm_ops.qk_norm_rope(q, k.reshape(T, self.hkv, self.d), self.q_norm, self.k_norm,
-                                     batch.positions, self.inv_freq, self.eps)
-        v = v.reshape(T, self.hkv, self.d)
-        attn_ops.write_kv(k, v, st.k_cache, st.v_cache, batch.slot_mapping)
+        q, gate = qg[..., : self.d], qg[..., self.d:]
+        q = norm_ops.qk_norm_rope_write_kv(q, k.reshape(T, self.hkv, self.d), v.reshape(T, self.hkv, self.d),
+                                           self.q_norm, self.k_norm, batch.positions, self.inv_freq, self.eps,
+                                           st.k_cache, st.v_cache, batch.slot_mapping)
         o = attn_ops.paged_attention(q, st.k_cache, st.v_cache, batch.cu_seqlens, batch.seq_lens,
                                      batch.block_tables, self.scale)
-        o = o.reshape(T, self.hq * self.d) * torch.sigmoid(gate)
-        return self.o_proj(o)
+        w = self.o_proj.weight_tensor()
+        if post is not None and w is not None:
+            return gemv_ops.fused_linear(o.reshape(T, self.hq * self.d), w, prologue_kind="sigmoid_gate", gate=gate,
+                                         head=self.d, **post.fused_options())
+        o = o.reshape(T, self.hq * self.d) * torch.sigmoid(gate.reshape(T, self.hq * self.d))
+        h = self.o_proj(o)
+        return h if post is None else post(h)

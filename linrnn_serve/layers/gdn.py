@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 import linrnn_kernels.gdn as gdn_ops
+import linrnn_kernels.gemv as gemv_ops
 import linrnn_kernels.norm as norm_ops
 from linrnn_serve.batch import ForwardBatch, GDNLayerState
 from linrnn_serve.config import ModelConfig
 from linrnn_serve.layers.linear import DenseWeights, FusedLinear, Linear
+from linrnn_serve.layers.norms import PostNorm
 
 
 class GatedDeltaNet(nn.Module):
@@ -36,14 +38,24 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype), requires_grad=False)
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, dtype, fmt("linear_attn.out_proj"))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, st: GDNLayerState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, st: GDNLayerState, post: PostNorm | None = None):
+        """Mixer output [T, H]; with `post`, (post-normed output, new residual), the gated norm, out_proj,
+        residual add and post norm fused into one kernel where the skinny GEMM takes the shape."""
         T = x.shape[0]
-        proj = self.in_proj(x)
-        qkv, z, b, a = torch.split(proj, [self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
-        if batch.is_decode:
-            qkv = gdn_ops.conv1d_decode(qkv, self.conv1d_weight, st.conv, batch.state_indices)
+        w_in = self.in_proj.weight_tensor()
+        if batch.is_decode and w_in is not None and gemv_ops.takes(x, w_in, "conv"):
+            # one kernel: in_proj, then the causal conv + SiLU of the q/k/v channels in its epilogue
+            proj = gemv_ops.fused_linear(x, w_in, epilogue="conv",
+                                         conv=(self.conv1d_weight, st.conv, batch.state_indices))
+            qkv, z, b, a = torch.split(proj, [self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         else:
-            qkv = gdn_ops.conv1d_varlen(qkv, self.conv1d_weight, st.conv, batch.cu_seqlens, batch.state_indices)
+            proj = self.in_proj(x)
+            qkv, z, b, a = torch.split(proj, [self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+            if batch.is_decode:
+                qkv = gdn_ops.conv1d_decode(qkv, self.conv1d_weight, st.conv, batch.state_indices)
+            else:
+                qkv = gdn_ops.conv1d_varlen(qkv, self.conv1d_weight, st.conv, batch.cu_seqlens,
+                                            batch.state_indices)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.hk, self.dk)
         k = k.reshape(T, self.hk, self.dk)
@@ -54,5 +66,11 @@ class GatedDeltaNet(nn.Module):
         else:
             o = gdn_ops.gdn_prefill(q, k, v, a, b, self.A_log, self.dt_bias, batch.cu_seqlens, *pools,
                                     batch.state_indices)
+        w = self.out_proj.weight_tensor()
+        if post is not None and w is not None:
+            return gemv_ops.fused_linear(o.reshape(T, self.value_dim), w, prologue_kind="gated_norm", gate=z,
+                                         pro_w=self.norm_weight, head=self.dv, pro_eps=self.eps,
+                                         **post.fused_options())
         y = norm_ops.gated_rmsnorm(o, z.reshape(T, self.hv, self.dv), self.norm_weight, self.eps)
-        return self.out_proj(y.reshape(T, self.value_dim))
+        h = self.out_proj(y.reshape(T, self.value_dim))
+        return h if post is None else post(h)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import linrnn_kernels.gemv as gemv_ops
 from linrnn_kernels.quant import WeightTensor
 
 
@@ -44,6 +45,8 @@ class DenseWeights(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # decode-sized batches may take the skinny GEMM (linrnn_kernels.gemv.config)
+            return gemv_ops.fused_linear(x, self.weight_tensor())
         return F.linear(x, self.weight)
 
     def weight_tensor(self) -> WeightTensor:
@@ -94,6 +97,11 @@ class FusedLinear(nn.Module):
         if len(self.groups) == 1:
             return self.groups[0](x)
         return torch.cat([g(x) for g in self.groups], dim=-1)
+
+    def weight_tensor(self) -> WeightTensor | None:
+        """The kernels' view of all rows when they are stored in one group (one format), else None:
+        the layers pass it to fused kernels (linrnn_kernels.gemv) and fall back to forward() otherwise."""
+        return self.groups[0].weight_tensor() if len(self.groups) == 1 else None
 
 
 def Linear(in_features: int, out_features: int, dtype: torch.dtype, fmt: type = DenseWeights) -> FusedLinear:

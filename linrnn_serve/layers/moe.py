@@ -9,10 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import linrnn_kernels.gemv as gemv_ops
 import linrnn_kernels.moe as moe_ops
 import linrnn_kernels.norm as norm_ops
 from linrnn_serve.config import ModelConfig
 from linrnn_serve.layers.linear import DenseWeights, FusedLinear, Linear
+from linrnn_serve.layers.norms import PostNorm
 
 
 class MLP(nn.Module):
@@ -27,8 +29,25 @@ class MLP(nn.Module):
                                         {p: fmt(f"{prefix}.{p}_proj") for p in ("gate", "up")})
         self.down_proj = Linear(inter, hidden, dtype, fmt(f"{prefix}.down_proj"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(norm_ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, post: PostNorm | None = None, addend=None, gate_logit=None, h=None):
+        """down(silu(gate(x)) * up(x)); with addend / gate_logit: addend + sigmoid(gate_logit) * that (the
+        shared expert joining the routed experts' sum); with post, (post-normed output, new residual).
+        Decode-sized batches: SiLU*mul in the gate_up kernel's epilogue, the rest in the down kernel's.
+        h: silu(gate(x)) * up(x) when already computed (the fused router's launch does it)."""
+        w13, w2 = self.gate_up_proj.weight_tensor(), self.down_proj.weight_tensor()
+        if h is not None:
+            pass
+        elif w13 is not None:
+            h = gemv_ops.fused_linear(x, w13, epilogue="silu_mul")
+        else:
+            h = norm_ops.silu_mul(self.gate_up_proj(x))
+        epi = {} if addend is None else {"epilogue": "gate_add", "addend": addend, "gate_logit": gate_logit}
+        if w2 is not None:
+            return gemv_ops.fused_linear(h, w2, **epi, **(post.fused_options() if post is not None else {}))
+        y = self.down_proj(h)
+        if addend is not None:
+            y = addend + torch.sigmoid(gate_logit) * y
+        return y if post is None else post(y)
 
 
 class Experts(nn.Module):
@@ -47,8 +66,21 @@ class Experts(nn.Module):
             return self.w2, 0, self.w2.n, "w2"
         return self.w13, (0 if part == "gate" else self.inter), self.inter, "w13"
 
-    def forward(self, x, topk_weights, topk_ids):
-        return moe_ops.moe_experts(x, topk_weights, topk_ids, self.w13.weight_tensor(), self.w2.weight_tensor())
+    def repack_for_kernels(self, name: str = "experts", force: bool = False) -> None:
+        """After loading: NVFP4 experts also get the MMA-fragment layout of the Hopper decode kernel
+        (kernels/moe/nvfp4_layout.py; gate/up rows interleaved) when that kernel can run on their
+        device (or `force`). Costs a second copy of the expert weights; negative / NaN block scales
+        raise ValueError naming the tensor."""
+        if getattr(self.w13, "fmt", None) != "nvfp4":
+            return
+        if not (force or moe_ops.mma_path_available(self.w13.packed.device)):
+            return
+        self.w13.pack_mma(gated=True, name=f"{name}.w13 (gate_up_proj)")
+        self.w2.pack_mma(gated=False, name=f"{name}.w2 (down_proj)")
+
+    def forward(self, x, topk_weights, topk_ids, alignment=None):
+        return moe_ops.moe_experts(x, topk_weights, topk_ids, self.w13.weight_tensor(), self.w2.weight_tensor(),
+                                   alignment=alignment)
 
 
 class SparseMoE(nn.Module):
@@ -72,16 +104,22 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, fmt,
                                      prefix="mlp.shared_expert")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        topk_w, topk_ids = moe_ops.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
-        if self.partitioned:
+    def forward(self, x: torch.Tensor, post: PostNorm | None = None):
+        """MoE output [T, H]; with `post`, (post-normed output, new residual). Decode-sized batches: the
+        router and the shared expert's gate_up are one kernel (gate GEMMs, softmax, top-k, alignment,
+        SiLU*mul), the shared expert's down projection another (it adds the routed sum, the residual and
+        the next norm)."""
+        # the routing weights come back in the activation dtype (transformers casts them before use)
+        shared_w13 = self.shared_expert.gate_up_proj.weight_tensor() if self.has_shared else None
+        logits, topk_w, topk_ids, alignment, h = moe_ops.route_align(
+            x, self.gate.weight_tensor(), self.num_experts, self.top_k, self.renormalize, shared_w13)
+        if self.partitioned:  # the alignment is of the global ids: the experts re-align the local ones
             topk_w, topk_ids = self._local_routes(topk_w, topk_ids)
-        # transformers casts the routing weights to the activation dtype before use
-        y = self.experts(x, topk_w.to(x.dtype), topk_ids)
+            alignment = None
+        y = self.experts(x, topk_w, topk_ids, alignment)
         if self.has_shared:
-            y = y + torch.sigmoid(logits[:, self.num_experts:]) * self.shared_expert(x)
-        return y
+            return self.shared_expert(x, post=post, addend=y, gate_logit=logits[:, self.num_experts:], h=h)
+        return y if post is None else post(y)
 
     def _local_routes(self, topk_w, topk_ids):
         """Routes to other ranks' experts -> weight 0 on local expert 0 (static shapes, no host sync;

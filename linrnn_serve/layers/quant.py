@@ -102,8 +102,16 @@ class Nvfp4Weights(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.weight_tensor())
 
+    mma = None  # the MMA-fragment repack (kernels/moe/nvfp4_layout.PackedNvfp4), set by pack_mma
+
+    def pack_mma(self, gated: bool, name: str) -> None:
+        from linrnn_kernels.moe import nvfp4_layout
+
+        with torch.no_grad():
+            self.mma = nvfp4_layout.pack(self.packed.data, self.block_scale.data, self.row_scale.data, gated, name)
+
     def weight_tensor(self) -> WeightTensor:
-        return WeightTensor("nvfp4", self.packed, self.block_scale, self.row_scale)
+        return WeightTensor("nvfp4", self.packed, self.block_scale, self.row_scale, self.mma)
 
     def checkpoint_tensors(self, rows: int) -> dict[str, TensorSpec]:
         mo, ct = self.layout != MODELOPT, self.layout != COMPRESSED_TENSORS  # optional flags

@@ -5,6 +5,10 @@
                     h += MoE(ZC-RMSNorm(h))     # or a dense MLP on Qwen3-Next's mlp_only layers
     logits = lm_head(ZC-RMSNorm(h))             # untied
 
+Each residual add + norm runs after the sublayer that produces its input (PostNorm), so a sublayer's
+last projection can fuse it (decode-sized batches: one kernel for the projection, the add and the
+norm; kernels/gemv).
+
 The forward runs one flattened varlen batch (linrnn_serve/batch.py) against the caches' per-layer
 views; the same code serves prefill, chunked prefill and decode, on CPU (reference ops) and GPU.
 
@@ -25,7 +29,7 @@ from linrnn_serve.layers.attention import GatedAttention
 from linrnn_serve.layers.gdn import GatedDeltaNet
 from linrnn_serve.layers.linear import DenseWeights, Linear
 from linrnn_serve.layers.moe import MLP, SparseMoE
-from linrnn_serve.layers.norms import ZCRMSNorm
+from linrnn_serve.layers.norms import PostNorm, ZCRMSNorm
 from linrnn_serve.parallel import SINGLE, Shard, expert_shard, local_config
 
 
@@ -48,13 +52,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fmt)
 
-    def forward(self, h, residual, batch: ForwardBatch, st):
-        """(sublayer output, residual stream): each norm is fused with the preceding residual add."""
+    def forward(self, x, residual, batch: ForwardBatch, st, next_norm: ZCRMSNorm):
+        """x: this layer's normed input (its input_layernorm already applied); returns the next layer's
+        normed input and the residual stream. Each norm is fused with the preceding residual add, and
+        with the sublayer's last projection where the kernels allow (layers/norms.py::PostNorm)."""
         mixer = self.linear_attn if self.is_gdn else self.self_attn
-        x, residual = self.input_layernorm(h, residual)
-        h = self.shard.all_reduce(mixer(x, batch, st))
-        x, residual = self.post_attention_layernorm(h, residual)
-        return self.shard.all_reduce(self.mlp(x)), residual
+        if self.shard.parallel:
+            # partial sums per rank: all-reduced before the residual add + norm, so nothing fuses them
+            h = self.shard.all_reduce(mixer(x, batch, st))
+            x, residual = self.post_attention_layernorm(h, residual)
+            return next_norm(self.shard.all_reduce(self.mlp(x)), residual)
+        x, residual = mixer(x, batch, st, post=PostNorm(self.post_attention_layernorm, residual))
+        return self.mlp(x, post=PostNorm(next_norm, residual))
 
 
 class HybridMoEForCausalLM(nn.Module):
@@ -100,11 +109,12 @@ class HybridMoEForCausalLM(nn.Module):
 
     def hidden_states(self, batch: ForwardBatch, caches) -> torch.Tensor:
         """Final-normed hidden states [T, H]."""
-        h, residual = self.embed(batch.input_ids), None
+        x, residual = self.layers[0].input_layernorm(self.embed(batch.input_ids), None)
         for i, layer in enumerate(self.layers):
             st = caches.gdn_layer(self.gdn_index[i]) if layer.is_gdn else caches.attn_layer(self.attn_index[i])
-            h, residual = layer(h, residual, batch, st)
-        return self.norm(h, residual)[0]
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, residual = layer(x, residual, batch, st, next_norm)
+        return x
 
 
 __all__ = ["HybridMoEForCausalLM", "DecoderLayer"]

@@ -62,6 +62,10 @@ class ModelRunner:
         self._cu = torch.arange(B + 1, dtype=i32, device=dev)
         self.logits_buf = torch.zeros(B, self.vocab_size, dtype=model.dtype, device=dev)
         self.greedy_buf = torch.zeros(B, dtype=i64, device=dev)
+        # structured output: token bitmask rows (int32 words, all ones = unconstrained), host -> static device
+        words = (self.vocab_size + 31) // 32
+        self._mask_host = torch.full((B, words), -1, dtype=torch.int32, pin_memory=pin)
+        self._mask = torch.full((B, words), -1, dtype=torch.int32, device=dev)
         self.sample_buf = torch.zeros(B, dtype=i64, device=dev)
         self.graphs = GraphSet()
         self.use_graphs = False
@@ -79,7 +83,7 @@ class ModelRunner:
         self._reset_static(self.max_batch)
         self._floats[0].fill_(1.0)
         self._floats[1].fill_(1.0)
-        kinds = {"step": self._decode_forward,
+        kinds = {"step": self._decode_forward, "mask": self._mask_static,
                  "sample": lambda b: self._sample_static(b, False),
                  "sample_sorted": lambda b: self._sample_static(b, True)}
         try:
@@ -111,6 +115,11 @@ class ModelRunner:
         self.logits_buf[:b].copy_(logits)
         self.greedy_buf[:b].copy_(S.greedy(logits))
 
+    def _mask_static(self, b: int) -> None:
+        """Apply the step's token bitmask to the logits in place and redo the greedy pick (captured)."""
+        S.apply_bitmask(self.logits_buf[:b], self._mask[:b])
+        self.greedy_buf[:b].copy_(S.greedy(self.logits_buf[:b]))
+
     def _static_sampling(self, b: int) -> S.SamplingTensors:
         return S.SamplingTensors(self._floats[0, :b], self._ints[3, :b], self._floats[1, :b], self._floats[2, :b],
                                  self._u[:b])
@@ -141,9 +150,9 @@ class ModelRunner:
         self._prepare(plan)
         self._last = []
         result = StepResult()
-        dec = self._run_decode(plan.decode) if plan.decode else None
-        pre = self._run_prefill(plan.prefill, result) if plan.prefill else None
-        hit = self._run_cached(plan.cached) if plan.cached else None
+        dec = self._run_decode(plan.decode, plan.fill_bitmask) if plan.decode else None
+        pre = self._run_prefill(plan.prefill, result, plan.fill_bitmask) if plan.prefill else None
+        hit = self._run_cached(plan.cached, plan.fill_bitmask) if plan.cached else None
         for src, dst in plan.slot_copies:
             self.caches.state.copy_slot(src, dst)
         for part in (dec, pre, hit):
@@ -176,7 +185,7 @@ class ModelRunner:
         if saves:
             self.caches.state.copy_to(self.caches.snapshots, [s for s, _ in saves], [d for _, d in saves])
 
-    def _run_decode(self, rows: list[DecodeRow]):
+    def _run_decode(self, rows: list[DecodeRow], fill_bitmask=None):
         n = len(rows)
         b = bucket_for(self.buckets, n)
         ints, floats, u = self._ints_host, self._floats_host, self._u_host
@@ -207,6 +216,17 @@ class ModelRunner:
             self.graphs.replay(b, "step")
         else:
             self._decode_forward(b)
+        if fill_bitmask is not None:
+            # the forward is queued on the GPU: fill the grammar bitmask on the host meanwhile, then hand it
+            # over without a sync (pinned -> static buffer) and mask inside the graph
+            host = self._mask_host[:b]
+            host.fill_(-1)
+            fill_bitmask(host[:n], [s.seq_id for s in samp])
+            self._mask[:b].copy_(host, non_blocking=self.device.type == "cuda")
+            if graphs:
+                self.graphs.replay(b, "mask")
+            else:
+                self._mask_static(b)
         if S.needs_logit_edits(samp):
             logits = S.apply_logit_edits(self.logits_buf[:b], samp + [None] * (b - n))
             ids = S.sample(logits, self._static_sampling(b), any(s.needs_sort for s in samp)) if any_random \
@@ -222,7 +242,7 @@ class ModelRunner:
             ids = self.greedy_buf[:b]
         return samp, ids[:n], self.logits_buf[:n]
 
-    def _run_prefill(self, rows: list[PrefillRow], result: StepResult):
+    def _run_prefill(self, rows: list[PrefillRow], result: StepResult, fill_bitmask=None):
         """One eager varlen forward; logits only for sampled rows (a fork samples n times from its
         prompt's last row) and prompt-logprob positions."""
         work = [SeqWork(r.token_ids, r.start_pos, r.slot, r.block_table) for r in rows]
@@ -267,15 +287,19 @@ class ModelRunner:
                 self.caches.snapshot_logits.dtype))
         if not samp:
             return None
-        return self._sample(samp, logits[: len(samp)])
+        return self._sample(samp, logits[: len(samp)], fill_bitmask)
 
-    def _run_cached(self, rows: list[CachedSampleRow]):
+    def _run_cached(self, rows: list[CachedSampleRow], fill_bitmask=None):
         """First tokens of fully cached prompts, from their snapshots' stored logits (no forward)."""
         samp = [s for r in rows for s in r.samples]
         idx = torch.tensor([r.snapshot for r in rows for _ in r.samples], dtype=torch.long, device=self.device)
-        return self._sample(samp, self.caches.snapshot_logits.index_select(0, idx))
+        return self._sample(samp, self.caches.snapshot_logits.index_select(0, idx), fill_bitmask)
 
-    def _sample(self, samp: list[SamplingRow], logits: torch.Tensor):
+    def _sample(self, samp: list[SamplingRow], logits: torch.Tensor, fill_bitmask=None):
+        if fill_bitmask is not None:
+            host = torch.full((len(samp), self._mask.shape[1]), -1, dtype=torch.int32)
+            fill_bitmask(host, [s.seq_id for s in samp])
+            S.apply_bitmask(logits, host.to(self.device))
         t = S.SamplingTensors.from_rows(samp, self.device)
         any_random = not all(s.is_greedy for s in samp)
         x = S.apply_logit_edits(logits, samp) if S.needs_logit_edits(samp) else logits

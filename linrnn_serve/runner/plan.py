@@ -12,6 +12,7 @@ prefill forward, so a sequence's decode math does not depend on who else is pref
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 _MASK64 = (1 << 64) - 1
 
@@ -127,6 +128,11 @@ class StepPlan:
     # scheduler bookkeeping (not for the runner): (seq_id, depth, snapshot) to enter into the tree
     # once this step's forward has run
     snapshot_inserts: list[tuple[int, int, int]] = field(default_factory=list)
+    # structured output (engine/structured_output.py): fill(host int32 [rows, words] preset to -1, seq ids of
+    # those rows) writes the token bitmask of the constrained rows. The one non-data member: the runner
+    # calls it after launching the forward so the host work overlaps the GPU; an executor whose workers live
+    # in other processes calls it in the core and ships the rows instead. None: no row is constrained.
+    fill_bitmask: Callable | None = None
 
     @property
     def empty(self) -> bool:

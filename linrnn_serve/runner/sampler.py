@@ -80,6 +80,18 @@ def sample(logits: torch.Tensor, t: SamplingTensors, use_sort: bool) -> torch.Te
     return torch.where(is_greedy, x.argmax(-1), ids)
 
 
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Structured output: tokens whose bit is 0 get -inf, in place. `bitmask` int32 [B, ceil(V/32)]
+    (xgrammar's layout: bit t % 32 of word t // 32; all ones = unconstrained, bit-unchanged row).
+    Shape-static and sync-free (runs inside the decode CUDA graph): the words are read as
+    little-endian bytes and expanded to one bool per token."""
+    B, V = logits.shape
+    by = bitmask.view(torch.uint8)  # [B, 4 * words]: byte k holds tokens 8k .. 8k + 7
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = ((by.unsqueeze(-1) >> shifts) & 1).view(B, -1)[:, :V]
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
 def needs_logit_edits(rows: list[SamplingRow | None]) -> bool:
     return any(r is not None and r.needs_logit_edits for r in rows)
 

@@ -1,4 +1,11 @@
-"""POST /v1/chat/completions: messages rendered with the checkpoint's chat template; streaming deltas.
+"""POST /v1/chat/completions: messages rendered with the chat template (--chat-template, the request's
+`chat_template`, else the checkpoint's own), tools and `chat_template_kwargs` passed to it; streaming deltas.
+
+Output parsing (linrnn_serve/parsers): with --reasoning-parser the <think> part is returned as
+`reasoning_content`; with tool_choice 'auto' (--enable-auto-tool-choice --tool-call-parser) tool calls
+are returned as `tool_calls` (streamed as they are generated); 'required' and named tool_choice force
+a call by structured decoding (server/tool_choice.py). response_format / structured_outputs / guided_*
+constrain the output (engine/structured_output.py).
 
 `max_completion_tokens` wins over the deprecated `max_tokens`; with neither, generation may run to
 the context limit. `logprobs: true` returns each token's logprob, `top_logprobs: N` the N most
@@ -10,10 +17,14 @@ import logging
 import time
 from typing import AsyncIterator
 
+from dataclasses import dataclass
+
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from linrnn_serve.engine.tokenizer import resolve_chat_template
+from linrnn_serve.parsers import ChatOutputParser, new_call_id
 from linrnn_serve.sampling_params import SamplingParams
 from linrnn_server.engine_client import EngineClient
 from linrnn_server.errors import APIError, bad_request, from_engine_error, internal
@@ -21,6 +32,7 @@ from linrnn_server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoic
                                     ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, DeltaMessage,
                                     TokenLogprob, TopLogprob, UsageInfo)
 from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, render_chat_prompt, sse_error, sse_frame
+from linrnn_server.tool_choice import ToolPlan, forced_calls, plan_tools
 from linrnn_server.serving import (Generation, check_model, check_prompt, clamp_logprob, new_id, parse_body,
                                    sampling_params, state_of, until_disconnect, usage_info)
 
@@ -29,30 +41,91 @@ router = APIRouter()
 
 
 def _token_logprobs(eng: EngineClient, token_ids: list[int], entries: list[dict[int, float]],
-                    top_n: int) -> list[TokenLogprob]:
+                    top_n: int, as_ids: bool | None = False) -> list[TokenLogprob]:
+    """`as_ids` (vLLM's return_tokens_as_token_ids): tokens shown as 'token_id:N'."""
+    name = (lambda t: f"token_id:{t}") if as_ids else eng.token_str
     out = []
     for tid, d in zip(token_ids, entries):
         d = d or {}
         top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
-        alts = [TopLogprob(token=eng.token_str(k), logprob=clamp_logprob(v), bytes=list(eng.token_bytes(k)))
+        alts = [TopLogprob(token=name(k), logprob=clamp_logprob(v), bytes=list(eng.token_bytes(k)))
                 for k, v in top]
-        out.append(TokenLogprob(token=eng.token_str(tid), logprob=clamp_logprob(d.get(tid)),
+        out.append(TokenLogprob(token=name(tid), logprob=clamp_logprob(d.get(tid)),
                                 bytes=list(eng.token_bytes(tid)), top_logprobs=alts))
     return out
 
 
-def _params(req: ChatCompletionRequest) -> SamplingParams:
+def _params(req: ChatCompletionRequest, eng: EngineClient) -> SamplingParams:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs", "invalid_value")
-        if not 0 <= req.top_logprobs <= SamplingParams.MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], got {req.top_logprobs}",
+        if not 0 <= req.top_logprobs <= eng.max_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {eng.max_logprobs}], got {req.top_logprobs}",
                               "top_logprobs", "invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         raise bad_request(f"max_completion_tokens must be a positive integer, got {req.max_completion_tokens}",
                           "max_completion_tokens", "invalid_value")
-    return sampling_params(req, req.max_new_tokens, logprobs)
+    return sampling_params(req, req.max_new_tokens, logprobs, engine=eng)
+
+
+@dataclass
+class ChatRun:
+    """A chat request made ready: prompt ids, sampling params and how to parse its output."""
+
+    ids: list[int]
+    params: SamplingParams
+    prompt_text: str
+    tools: ToolPlan
+    reasoning_parser: str | None
+    tool_parser: str | None
+
+    def parser(self) -> ChatOutputParser:
+        # a JSON grammar constrains the output from its first token, so that answer is never inside a <think>
+        # block, even when the template opened one: parse it as content (the grammar does not wait for the end
+        # of the reasoning, unlike vLLM's; regex / grammar constraints may write their own <think> block)
+        so = self.params.structured_outputs
+        reasoning = None if so is not None and so.kind() in ("json", "json_object") and \
+            self.reasoning_parser in ("qwen3", "deepseek_r1") and _opens_thinking(self) else self.reasoning_parser
+        return ChatOutputParser(reasoning, self.tool_parser if self.tools.mode == "auto" else None,
+                                self.tools.tools, self.prompt_text)
+
+
+def prepare_chat(eng: EngineClient, req: ChatCompletionRequest) -> ChatRun:
+    """Template, tools / tool_choice, constraints and sampling params of a chat request (4xx on bad input)."""
+    cfg = eng.config
+    params = _params(req, eng)
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                       bool(_get(cfg, "enable_auto_tool_choice") and _get(cfg, "tool_call_parser")),
+                       params.structured_outputs is not None)
+    if tools.constraint is not None:
+        params.structured_outputs = tools.constraint
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    try:
+        template = resolve_chat_template(req.chat_template) if req.chat_template else eng.chat_template
+    except ValueError as e:
+        raise bad_request(str(e), "chat_template", "invalid_value") from None
+    text = render_chat_prompt(eng.require_tokenizer("messages"), req.messages, req.add_generation_prompt,
+                              req.continue_final_message, kwargs, tools=tools.tools, chat_template=template,
+                              documents=req.documents)
+    ids = eng.encode(text, add_special_tokens=False)
+    return ChatRun(ids, params, text, tools, _get(cfg, "reasoning_parser"), _get(cfg, "tool_call_parser"))
+
+
+def _opens_thinking(run: "ChatRun") -> bool:
+    from linrnn_serve.parsers.reasoning import prompt_opens_thinking
+
+    return run.reasoning_parser == "deepseek_r1" or prompt_opens_thinking(run.prompt_text)
+
+
+def _get(cfg, name):
+    return getattr(cfg, name, None) if cfg is not None else None
+
+
+def _tool_call_dicts(calls) -> list[dict]:
+    return [c.to_openai() for c in calls]
 
 
 @router.post("/v1/chat/completions")
@@ -62,35 +135,104 @@ async def create_chat_completion(request: Request):
     req = await parse_body(request, ChatCompletionRequest)
     req.check_neutral()
     model = check_model(state, req.model)
-    params = _params(req)
-    text = render_chat_prompt(eng.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-                              req.chat_template_kwargs)
-    ids = eng.encode(text, add_special_tokens=False)
-    check_prompt(eng, ids, req.max_new_tokens, params, "messages")
+    run = prepare_chat(eng, req)
+    check_prompt(eng, run.ids, req.max_new_tokens, run.params, "messages")
 
-    gen = Generation(state, new_id("chatcmpl"), [ids], params)
+    gen = Generation(state, new_id("chatcmpl"), [run.ids], run.params)
     await until_disconnect(request, gen.start())
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(gen, req, model, created, eng), media_type="text/event-stream",
+        return StreamingResponse(_stream(gen, req, model, created, eng, run), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     (ro,) = await until_disconnect(request, gen.final_outputs())
     top_n = req.top_logprobs or 0
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=ChoiceLogprobs(content=_token_logprobs(eng, c.token_ids, c.logprobs or [], top_n))
-                          if req.logprobs else None,
-                          finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in ro.outputs]
+    choices = []
+    for c in ro.outputs:
+        msg, finish = final_message(run, c.text, c.finish_reason)
+        choices.append(ChatChoice(index=c.index, message=msg,
+                                  logprobs=ChoiceLogprobs(content=_token_logprobs(
+                                      eng, c.token_ids, c.logprobs or [], top_n, req.return_tokens_as_token_ids))
+                                  if req.logprobs else None, finish_reason=finish, stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(id=gen.base_id, created=created, model=model, choices=choices,
-                                  usage=usage_info([ro]))
+                                  usage=usage_info([ro]),
+                                  prompt_logprobs=prompt_logprobs_json(eng, ro) if req.prompt_logprobs is not None
+                                  else None)
     return JSONResponse(resp.model_dump())
 
 
+def final_message(run: ChatRun, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+    """The whole output as an assistant message (reasoning, content, tool calls) + its finish reason."""
+    if run.tools.mode in ("required", "named"):
+        calls = forced_calls(run.tools, text)
+        if calls is not None:
+            return AssistantMessage(content=None, tool_calls=_tool_call_dicts(calls)), \
+                ("tool_calls" if finish_reason == "stop" and run.tools.mode == "required" else finish_reason)
+        return AssistantMessage(content=text), finish_reason
+    reasoning, content, calls = run.parser().parse(text)
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return AssistantMessage(content=content if content is not None or calls else "", reasoning_content=reasoning,
+                            tool_calls=_tool_call_dicts(calls)), finish_reason
+
+
+class _ChoiceStream:
+    """One choice's streaming state: the parser, and for a named / required call the forced-call deltas."""
+
+    def __init__(self, run: ChatRun):
+        self.run = run
+        self.parser = run.parser() if run.tools.mode in ("none", "auto") else None
+        self.text = ""
+        self.call_id = new_call_id()
+        self.saw_calls = False
+
+    def delta(self, piece: str, final: bool) -> DeltaMessage | None:
+        mode = self.run.tools.mode
+        if mode == "named":  # the output is the arguments: stream them as they come
+            if not piece and not final:
+                return None
+            first = not self.text
+            self.text += piece
+            tc = {"index": 0, "function": {"arguments": piece}}
+            if first:
+                tc.update(id=self.call_id, type="function")
+                tc["function"]["name"] = self.run.tools.name
+            self.saw_calls = True
+            return DeltaMessage(tool_calls=[tc]) if piece or first else None
+        if mode == "required":  # a JSON array of calls: sent whole once complete
+            self.text += piece
+            if not final:
+                return None
+            calls = forced_calls(self.run.tools, self.text)
+            if calls is None:
+                return DeltaMessage(content=self.text) if self.text else None
+            self.saw_calls = True
+            return DeltaMessage(tool_calls=[{"index": i, **c.to_openai()} for i, c in enumerate(calls)])
+        d = self.parser.feed(piece) if piece else None
+        if final:
+            f = self.parser.finish()
+            d = f if d is None else type(f)(d.reasoning + f.reasoning, d.content + f.content,
+                                             d.tool_calls + f.tool_calls)
+        if not d:
+            return None
+        tcs = []
+        for t in d.tool_calls:
+            item: dict = {"index": t.index, "function": {"arguments": t.arguments}}
+            if t.id is not None:
+                item.update(id=t.id, type="function")
+                item["function"]["name"] = t.name
+            tcs.append(item)
+        self.saw_calls = self.saw_calls or bool(tcs)
+        return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
+                            tool_calls=tcs or None)
+
+
 async def _stream(gen: Generation, req: ChatCompletionRequest, model: str, created: int,
-                  eng: EngineClient) -> AsyncIterator[bytes]:
+                  eng: EngineClient, run: ChatRun) -> AsyncIterator[bytes]:
     top_n = req.top_logprobs or 0
     sent_chars: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()
+    states: dict[int, _ChoiceStream] = {}
     last = None
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
@@ -108,21 +250,27 @@ async def _stream(gen: Generation, req: ChatCompletionRequest, model: str, creat
             for c in ro.outputs:
                 if c.index in finished:
                     continue
+                st = states.setdefault(c.index, _ChoiceStream(run))
                 start_chars, start_tok = sent_chars.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta = c.text[start_chars:] if len(c.text) > start_chars else ""
+                piece = c.text[start_chars:] if len(c.text) > start_chars else ""
                 new_ids = c.token_ids[start_tok:]
                 logprobs = None
                 if req.logprobs and new_ids:
                     logprobs = ChoiceLogprobs(content=_token_logprobs(eng, new_ids, (c.logprobs or [])[start_tok:],
-                                                                      top_n))
-                if not (delta or c.finished or logprobs is not None):
-                    continue
-                sent_chars[c.index] = start_chars + len(delta)
+                                                                      top_n, req.return_tokens_as_token_ids))
+                sent_chars[c.index] = start_chars + len(piece)
                 sent_tokens[c.index] = len(c.token_ids)
+                delta = st.delta(piece, c.finished)
+                if not (delta is not None or c.finished or logprobs is not None):
+                    continue
+                finish = c.finish_reason
                 if c.finished:
                     finished.add(c.index)
-                choice = ChatChunkChoice(index=c.index, delta=DeltaMessage(content=delta if delta else None),
-                                         logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    if st.saw_calls and finish == "stop" and run.tools.mode != "named":
+                        finish = "tool_calls"
+                choice = ChatChunkChoice(index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
+                                         finish_reason=finish if c.finished else None,
+                                         stop_reason=c.stop_reason)
                 yield chunk([choice], usage() if req.continuous_usage else None)
         if req.include_usage:
             yield chunk([], usage())
@@ -132,3 +280,14 @@ async def _stream(gen: Generation, req: ChatCompletionRequest, model: str, creat
     except Exception as e:  # an engine failure mid-stream: tell the client, then end the stream
         log.exception("stream %s failed", gen.base_id)
         yield sse_error(from_engine_error(e) or internal(e))
+
+
+def prompt_logprobs_json(eng: EngineClient, ro) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token (the first None) {token_id: {logprob, decoded_token}}."""
+    if ro.prompt_logprobs is None:
+        return None
+    out = []
+    for d in ro.prompt_logprobs:
+        out.append(None if d is None else {str(k): {"logprob": clamp_logprob(v), "decoded_token": eng.token_str(k)}
+                                           for k, v in d.items()})
+    return out

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
 from linrnn_server.engine_client import EngineClient
-from linrnn_server.errors import APIError, from_engine_error, internal
+from linrnn_server.errors import APIError, bad_request, from_engine_error, internal
 from linrnn_server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                     UsageInfo)
 from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, sse_error, sse_frame
@@ -47,10 +47,10 @@ class _LogprobBuilder:
     tokens before it decode to (an incomplete UTF-8 character counts once it is complete), so offsets
     never pass the text even when single tokens hold partial characters (shown as U+FFFD in `tokens`)."""
 
-    def __init__(self, eng: EngineClient, offset: int = 0, skip_special_tokens: bool = True, as_ids: bool = False):
+    def __init__(self, eng: EngineClient, offset: int = 0, skip_special_tokens: bool = True,
+                 as_ids: bool | None = False):
         self.eng, self.offset, self.skip = eng, offset, skip_special_tokens
-        # vLLM's return_tokens_as_token_ids: exact ids for clients that re-send the output as ids
-        self.token_str = (lambda t: f"token_id:{t}") if as_ids else eng.token_str
+        self.name = (lambda t: f"token_id:{t}") if as_ids else eng.token_str  # return_tokens_as_token_ids
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def restart(self, offset: int) -> None:
@@ -65,7 +65,7 @@ class _LogprobBuilder:
     def add(self, into: CompletionLogprobs, token_ids: list[int], entries: list[dict[int, float] | None],
             first_is_null: bool = False) -> CompletionLogprobs:
         for j, (tid, d) in enumerate(zip(token_ids, entries)):
-            into.tokens.append(self.token_str(tid))
+            into.tokens.append(self.name(tid))
             into.text_offset.append(self.offset)
             self._advance(tid)
             if d is None or (first_is_null and j == 0):
@@ -74,7 +74,7 @@ class _LogprobBuilder:
                 continue
             into.token_logprobs.append(clamp_logprob(d.get(tid)))
             # the sampled token and the top-N alternatives (so up to N+1 entries, as OpenAI documents)
-            into.top_logprobs.append({self.token_str(k): clamp_logprob(v)
+            into.top_logprobs.append({self.name(k): clamp_logprob(v)
                                       for k, v in sorted(d.items(), key=lambda kv: -kv[1])})
         return into
 
@@ -92,9 +92,16 @@ async def create_completion(request: Request):
     model = check_model(state, req.model)
     prompts, texts = _prompts(eng, req.prompt)
     echo_logprobs = req.echo and req.logprobs is not None
-    params = sampling_params(req, req.max_tokens, req.logprobs, req.logprobs if echo_logprobs else None)
+    # max_tokens=0 with echo scores the prompt (vLLM): one token is generated and dropped
+    scoring = req.max_tokens == 0
+    if scoring and not req.echo:
+        raise bad_request("max_tokens=0 is only allowed with echo=true (prompt scoring)", "max_tokens",
+                          "invalid_value")
+    max_tokens = 1 if scoring else req.max_tokens
+    params = sampling_params(req, max_tokens, req.logprobs, req.logprobs if echo_logprobs else None,
+                             engine=eng)
     for ids in prompts:
-        check_prompt(eng, ids, req.max_tokens, params, "prompt")
+        check_prompt(eng, ids, max_tokens, params, "prompt")
 
     gen = Generation(state, new_id("cmpl"), prompts, params)
     await until_disconnect(request, gen.start())
@@ -107,14 +114,24 @@ async def create_completion(request: Request):
     for pi, ro in enumerate(finals):
         for c in ro.outputs:
             choices.append(_choice(eng, req, pi, ro, c, texts[pi]))
+    usage = usage_info(finals)
+    if scoring:
+        usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+    plp = None
+    if req.prompt_logprobs is not None:
+        from linrnn_server.routes.chat import prompt_logprobs_json
+
+        plp = [x for ro in finals for x in (prompt_logprobs_json(eng, ro) or [])]
     resp = CompletionResponse(id=gen.base_id, created=created, model=model, choices=choices,
-                              usage=usage_info(finals))
+                              usage=usage, prompt_logprobs=plp)
     return JSONResponse(resp.model_dump())
 
 
 def _choice(eng: EngineClient, req: CompletionRequest, pi: int, ro: RequestOutput, c: CompletionOutput,
             prompt_text: str | None) -> CompletionChoice:
-    text, logprobs = c.text, None
+    text, logprobs, token_ids, entries = c.text, None, c.token_ids, c.logprobs or []
+    if req.max_tokens == 0:  # prompt scoring: the one generated token is not part of the answer
+        text, token_ids, entries = "", [], []
     prefix = _echo_text(eng, prompt_text, ro.prompt_token_ids) if req.echo else ""
     if req.logprobs is not None:
         logprobs = CompletionLogprobs()
@@ -123,11 +140,12 @@ def _choice(eng: EngineClient, req: CompletionRequest, pi: int, ro: RequestOutpu
         if req.echo:
             b.add(logprobs, ro.prompt_token_ids, ro.prompt_logprobs or [None] * len(ro.prompt_token_ids), True)
             b.restart(len(prefix))
-        b.add(logprobs, c.token_ids, c.logprobs or [])
+        b.add(logprobs, token_ids, entries)
         # tokens past a stop string (cut from the text) start at the text's end
         logprobs.text_offset = [min(o, len(prefix) + len(text)) for o in logprobs.text_offset]
     return CompletionChoice(index=pi * req.num_samples + c.index, text=prefix + text, logprobs=logprobs,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                            finish_reason="length" if req.max_tokens == 0 else c.finish_reason,
+                            stop_reason=c.stop_reason)
 
 
 async def _stream(gen: Generation, req: CompletionRequest, model: str, created: int, texts: list[str | None],
@@ -156,6 +174,8 @@ async def _stream(gen: Generation, req: CompletionRequest, model: str, created: 
                 start_chars, start_tok = sent_chars.get(idx, 0), sent_tokens.get(idx, 0)
                 delta = c.text[start_chars:] if len(c.text) > start_chars else ""
                 new_ids = c.token_ids[start_tok:]
+                if req.max_tokens == 0:  # prompt scoring: drop the one generated token
+                    delta, new_ids = "", []
                 prefix = _echo_text(eng, texts[pi], ro.prompt_token_ids) if req.echo and first else ""
                 logprobs = None
                 if req.logprobs is not None:

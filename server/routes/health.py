@@ -1,4 +1,5 @@
-"""GET /health (200 with an empty body while the engine runs, 503 otherwise, as vLLM) and /version."""
+"""GET /health and GET|POST /ping (200 with an empty body while the engine runs, 503 otherwise, as vLLM;
+/ping is the SageMaker-style alias vLLM serves) and /version."""
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
@@ -14,6 +15,8 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/ping")
+@router.post("/ping")
 async def health(request: Request) -> Response:
     ok, why = state_of(request).engine.healthy()
     if not ok:

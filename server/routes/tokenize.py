@@ -24,7 +24,8 @@ async def tokenize(request: Request) -> TokenizeResponse:
         if not req.messages:
             raise bad_request("'messages' is empty.", "messages")
         text = render_chat_prompt(eng.tokenizer, req.messages, req.add_generation_prompt,
-                                  req.continue_final_message, req.chat_template_kwargs)
+                                  req.continue_final_message, req.chat_template_kwargs, tools=req.tools,
+                                  chat_template=eng.chat_template)
         ids = eng.encode(text, add_special_tokens=False)
     else:
         ids = eng.encode(req.prompt, add_special_tokens=req.add_special_tokens)

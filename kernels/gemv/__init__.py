@@ -1,0 +1,78 @@
+"""Skinny GEMM / split-K GEMV for decode-sized batches, with fused prologues and epilogues.
+
+  fused_linear(x, w: WeightTensor, **options) -> y, or (normed, h) with norm_w
+      options (naive.py defines each as the chain of ops it replaces):
+        prologue_kind "none" | "rmsnorm" | "gated_norm" | "sigmoid_gate" (gate, pro_w, head, pro_eps)
+        epilogue "none" | "silu_mul" | "gate_add" (addend, gate_logit), residual, norm_w / norm_eps
+
+On CUDA with the skinny GEMM enabled for the shape (config.py: switches and the tuning table) it is
+one launch of skinny.py's kernel; otherwise the unfused chain runs: the projection through
+linrnn_kernels.quant.linear (cuBLAS for dense weights) and the existing norm / elementwise kernels
+(their naive references on CPU). Either way the result equals naive.skinny_linear up to rounding
+order.
+"""
+from __future__ import annotations
+
+import torch
+
+from linrnn_kernels import norm as norm_ops
+from linrnn_kernels.dispatch import use_triton
+from linrnn_kernels.gemv import config, naive
+from linrnn_kernels.quant import WeightTensor, linear
+
+__all__ = ["fused_linear", "takes", "config", "naive"]
+
+
+def takes(x: torch.Tensor, w: WeightTensor, epilogue: str = "none") -> bool:
+    """Whether fused_linear runs the skinny kernel for this input (else the unfused chain): layers ask
+    before using an epilogue with no unfused twin here (the GDN in_proj's conv)."""
+    return use_triton(x) and config.skinny_enabled(x.shape[0], _out_features(w, epilogue), x.shape[1], w.fmt)
+
+
+def _out_features(w: WeightTensor, epilogue: str) -> int:
+    return w.out_features // 2 if epilogue == "silu_mul" else w.out_features
+
+
+def fused_linear(x: torch.Tensor, w: WeightTensor, *, prologue_kind: str = "none", gate=None, pro_w=None,
+                 head: int = 0, pro_eps: float = 1e-6, epilogue: str = "none", addend=None, gate_logit=None,
+                 residual=None, norm_w=None, norm_eps: float = 1e-6, conv=None):
+    M, K = x.shape
+    if use_triton(x) and config.skinny_enabled(M, _out_features(w, epilogue), K, w.fmt):
+        from linrnn_kernels.gemv import skinny
+
+        cfg = config.skinny_config(M, _out_features(w, epilogue), K, w.fmt, x.device, head)
+        return skinny.skinny_linear(x, w, cfg, prologue_kind=prologue_kind, gate=gate, pro_w=pro_w, head=head,
+                                    pro_eps=pro_eps, epilogue=epilogue, addend=addend, gate_logit=gate_logit,
+                                    residual=residual, norm_w=norm_w, norm_eps=norm_eps, conv=conv)
+    if epilogue == "conv":
+        raise ValueError("the conv epilogue has no unfused twin here: check takes() first")
+    return compose(x, w, prologue_kind=prologue_kind, gate=gate, pro_w=pro_w, head=head, pro_eps=pro_eps,
+                   epilogue=epilogue, addend=addend, gate_logit=gate_logit, residual=residual, norm_w=norm_w,
+                   norm_eps=norm_eps)
+
+
+def compose(x, w: WeightTensor, *, prologue_kind="none", gate=None, pro_w=None, head=0, pro_eps=1e-6,
+            epilogue="none", addend=None, gate_logit=None, residual=None, norm_w=None, norm_eps=1e-6):
+    """The unfused chain with the model's existing kernels (the skinny GEMM switched off or unsupported)."""
+    T, K = x.shape
+    if prologue_kind == "rmsnorm":
+        x = norm_ops.add_rmsnorm(x, None, pro_w, pro_eps)[0]
+    elif prologue_kind == "gated_norm":
+        x = norm_ops.gated_rmsnorm(x.reshape(T, K // head, head), gate.reshape(T, K // head, head), pro_w,
+                                   pro_eps).reshape(T, K)
+    elif prologue_kind == "sigmoid_gate":
+        x = x * torch.sigmoid(gate.reshape(T, K))
+    elif prologue_kind != "none":
+        raise ValueError(f"unknown prologue {prologue_kind!r}")
+    y = linear(x, w)
+    if epilogue == "silu_mul":
+        y = norm_ops.silu_mul(y)
+    elif epilogue == "gate_add":
+        y = addend + torch.sigmoid(gate_logit.reshape(-1, 1)) * y
+    elif epilogue != "none":
+        raise ValueError(f"unknown epilogue {epilogue!r}")
+    if norm_w is not None:
+        return norm_ops.add_rmsnorm(y, residual, norm_w, norm_eps)
+    if residual is not None:
+        return y + residual
+    return y

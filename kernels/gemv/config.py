@@ -1,0 +1,124 @@
+"""The tuning knobs of the small-batch decode kernels, in one place.
+
+Switches (environment, read per call so a benchmark can flip them without code changes):
+  LINRNN_SKINNY_GEMM=0            never use the skinny GEMM: every projection goes to cuBLAS and every
+                                  fusion falls back to its unfused chain of kernels
+  LINRNN_SKINNY_MAX_M=N           largest batch (rows) sent to the skinny GEMM (default 32)
+  LINRNN_SKINNY_TABLE=path.json   per-shape overrides, as written by tools/gpu_small.sh:
+                                  {"N,K,fmt": {"max_m": 8, "1": [block_n, block_k, split_k, warps, stages, dot], ...}}
+                                  (max_m: the largest M where the kernel beat cuBLAS; 0 = off for that shape)
+  LINRNN_FUSED_ROUTER=0           the router's gate GEMM, softmax / top-k and expert alignment as separate kernels
+  LINRNN_PDL=1                    programmatic dependent launch for these kernels (sm_90+, default off
+                                  until measured)
+
+`skinny_config(M, N, K, fmt, device)` is the default table: enough programs (N tiles x K splits) to
+put ~2 per SM on the GPU, 16-byte weight loads (block_k a multiple of 8 bf16 / 16 fp8 elements),
+tensor-core dots from 8 rows up (rows padded to 16), FMA reductions below.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+MAX_M = 32
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = False
+    min_block_m: int = 16  # rows are padded to this for tensor-core dots
+
+    def astuple(self) -> list:
+        return [self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages, int(self.use_dot)]
+
+
+def _num_sms(device) -> int:
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def skinny_config(M: int, N: int, K: int, fmt: str, device, head: int = 0) -> SkinnyConfig:
+    """Default config for an [M, K] x [N, K]^T projection (N output columns; the gated epilogue reads
+    2N weight rows). `head`: the gated-norm prologue needs block_k to be a multiple of it."""
+    over = _table_entry(N, K, fmt, M)
+    if over is not None:
+        return over
+    use_dot = M > 4
+    block_n = 16 if use_dot else (32 if M <= 2 else 16)
+    block_k = 256 if M <= 2 else 128
+    if head:
+        block_k = max(block_k // head, 1) * head
+    n_tiles = -(-N // block_n)
+    k_steps = -(-K // block_k)
+    target = 2 * _num_sms(device)
+    split = 1
+    while n_tiles * split < target and split * 2 <= k_steps and split < 16:
+        split *= 2
+    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=3, use_dot=use_dot)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_table(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _table(N: int, K: int, fmt: str) -> dict | None:
+    path = os.environ.get("LINRNN_SKINNY_TABLE")
+    if not path:
+        return None
+    return _load_table(path).get(f"{N},{K},{fmt}")
+
+
+def _table_entry(N: int, K: int, fmt: str, M: int) -> SkinnyConfig | None:
+    t = _table(N, K, fmt)
+    if not t:
+        return None
+    for m, spec in sorted(((int(k), v) for k, v in t.items() if k.isdigit()), key=lambda kv: kv[0]):
+        if M <= m:
+            bn, bk, split, warps, stages, dot = spec
+            return SkinnyConfig(bn, bk, split, warps, stages, bool(dot))
+    return None
+
+
+def skinny_enabled(M: int, N: int, K: int, fmt: str) -> bool:
+    """Whether a projection of M rows goes to the skinny GEMM (else cuBLAS / the unfused chain)."""
+    if os.environ.get("LINRNN_SKINNY_GEMM", "1") == "0" or fmt not in ("dense", "fp8"):
+        return False
+    limit = min(int(os.environ.get("LINRNN_SKINNY_MAX_M", MAX_M)), MAX_M)
+    t = _table(N, K, fmt)
+    if t is not None and "max_m" in t:
+        limit = min(limit, int(t["max_m"]))
+    return 1 <= M <= limit
+
+
+def fused_router_enabled() -> bool:
+    return os.environ.get("LINRNN_FUSED_ROUTER", "1") != "0"
+
+
+def pdl_available(device) -> bool:
+    from linrnn_kernels.gemv import skinny
+
+    if skinny.gdc_wait is None or not (isinstance(device, torch.device) and device.type == "cuda"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch_kwargs(x: torch.Tensor) -> dict:
+    """Launch options of a kernel that supports PDL: its PDL constexpr, plus Triton's launch_pdl."""
+    on = os.environ.get("LINRNN_PDL", "0") == "1" and pdl_available(x.device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

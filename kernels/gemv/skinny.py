@@ -1,0 +1,358 @@
+"""Skinny GEMM / split-K GEMV for decode-sized batches (M <= 32 rows): y = prologue(x) W^T -> epilogue,
+one launch (kernels/gemv/naive.py defines every option as the chain of separate ops it replaces).
+
+Grid (N tiles, SPLIT_K): each program streams BLOCK_N weight rows (2 x BLOCK_N with the silu_mul
+epilogue: gate row n and up row N + n) over its K slice with 16-byte loads, evicted first (weights
+are read once per step). With SPLIT_K > 1 the f32 partials go to a workspace and the last program of
+each N tile (an atomic ticket, reset to 0 by that program so a captured graph can replay) sums them
+in split order 0, 1, ...: the result does not depend on which program finishes last, so it is
+bit-reproducible. The row-norm epilogue (the next RMSNorm needs a whole row) uses a second ticket:
+the last N tile to finish normalises the rows.
+
+Weights: bf16/f16/f32 ("dense") or FP8 E4M3 with a per-row f32 scale (per-tensor scales are stored
+broadcast per row, layers/quant.py). Activations bf16/f16/f32; accumulation f32; every intermediate
+the unfused chain rounds to the activation dtype is rounded here too.
+
+Memory ordering of the tickets: all threads' stores, a CTA barrier, then one acq_rel atomic at GPU
+scope (release); the winner reads the partials through L2 (`.cg`) after its acquire.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # grid dependency control (programmatic dependent launch): triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - PDL is then reported unavailable (config.pdl_available)
+    gdc_launch_dependents = gdc_wait = None
+
+from linrnn_kernels.gemv.config import pdl_launch_kwargs
+
+PROLOGUES = {"none": 0, "rmsnorm": 1, "gated_norm": 2, "sigmoid_gate": 3}
+EPILOGUES = {"none": 0, "silu_mul": 1, "gate_add": 2, "conv": 3}
+TICKETS = 1 << 16  # counters per device; a split-K or row-norm launch uses (N tiles + 1) of them
+
+
+@triton.jit
+def _round(v, ACT: tl.constexpr):
+    return v.to(ACT).to(tl.float32)
+
+
+@triton.jit
+def _load_a(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, rows, cols, m_ok, k_ok, rstd, pro_eps,
+            PRO: tl.constexpr, HEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+            ACT: tl.constexpr):
+    """The activation tile [BLOCK_M, BLOCK_K] after the prologue, as f32 values of the activation dtype."""
+    mask = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gcols = (cols // HEAD) * sgh + cols % HEAD  # the gate may be a per-head strided view ([T, H, HEAD])
+    if PRO == 1:  # zero-centred RMSNorm over the whole row (rstd computed before the K loop)
+        w = tl.load(pw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        x = _round(x * rstd[:, None] * (1.0 + w[None, :]), ACT)
+    elif PRO == 2:  # gated RMSNorm per head of HEAD columns (BLOCK_K is a multiple of HEAD)
+        z = tl.load(g_ptr + rows[:, None] * sg + gcols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xh = tl.reshape(x, (BLOCK_M, BLOCK_K // HEAD, HEAD))
+        ms = tl.sum(xh * xh, axis=2) / HEAD
+        n = _round(xh / tl.sqrt(ms + pro_eps)[:, :, None], ACT)
+        w = tl.load(pw_ptr + (cols % HEAD), mask=k_ok, other=0.0).to(tl.float32)
+        wn = _round(tl.reshape(w, (1, BLOCK_K // HEAD, HEAD)) * n, ACT)
+        x = _round(tl.reshape(wn, (BLOCK_M, BLOCK_K)) * (z / (1.0 + tl.exp(-z))), ACT)
+    elif PRO == 3:  # x * sigmoid(gate), both products rounded as two bf16 torch ops
+        g = tl.load(g_ptr + rows[:, None] * sg + gcols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _round(x * _round(1.0 / (1.0 + tl.exp(-g)), ACT), ACT)
+    return x
+
+
+@triton.jit
+def _prefetch_weights(w_ptr, sw, offs_n, n_ok, k_lo, k_hi, N, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """prefetch.global.L2 of every 128-byte line of this program's weight slice (independent of the
+    previous kernel, so it may run before gdc_wait)."""
+    LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
+    lines = tl.arange(0, BLOCK_K // LINE) * LINE if BLOCK_K >= LINE else tl.arange(0, 1)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * sw + (k0 + lines)[None, :]
+        ptrs = tl.where(n_ok[:, None] & (k0 + lines < k_hi)[None, :], ptrs, w_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        if GATED:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs + N * sw],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _mac(acc, a, w, USE_DOT: tl.constexpr, COMPUTE: tl.constexpr):
+    if USE_DOT:
+        if COMPUTE == tl.float32:  # f32 models must not drop to TF32 (the interpreter computes in f32 too)
+            return tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee", out_dtype=tl.float32)
+        return tl.dot(a.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, out_dtype=tl.float32)
+    return acc + tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
+            nw_ptr, y_ptr, sy, tick_ptr, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
+            EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, ACT: tl.constexpr):
+    mask = m_ok[:, None] & n_ok[None, :]
+    y = _round(acc, ACT)
+    if EPI == 3:  # causal conv1d + SiLU (GDN decode) on the first CC columns; conv state shifted in place
+        c_ok = n_ok & (offs_n < CC)
+        cmask = m_ok[:, None] & c_ok[None, :]
+        slot = tl.load(idx_ptr + rows, mask=m_ok, other=0).to(tl.int64)
+        p = cs_ptr + slot[:, None] * s_slot + offs_n[None, :]
+        conv = tl.zeros((BLOCK_M, y.shape[1]), tl.float32)
+        for j in tl.static_range(KC - 1):
+            xj = tl.load(p + j * CC, mask=cmask, other=0.0)
+            wj = tl.load(cw_ptr + offs_n * KC + j, mask=c_ok, other=0.0).to(tl.float32)
+            conv += xj.to(ACT).to(tl.float32) * wj[None, :]
+            if j > 0:  # row j moves to row j - 1 (each live row owns its slot)
+                tl.store(p + (j - 1) * CC, xj, mask=cmask)
+        conv += y * tl.load(cw_ptr + offs_n * KC + (KC - 1), mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(p + (KC - 2) * CC, y.to(cs_ptr.dtype.element_ty), mask=cmask)
+        y = tl.where(c_ok[None, :], _round(conv / (1.0 + tl.exp(-conv)), ACT), y)
+    if EPI == 1:
+        u = _round(acc_u, ACT)
+        y = _round(y / (1.0 + tl.exp(-y)) * u, ACT)
+    elif EPI == 2:
+        gl = tl.load(gl_ptr + rows * sgl, mask=m_ok, other=0.0).to(tl.float32)
+        s = _round(1.0 / (1.0 + tl.exp(-gl)), ACT)
+        add = tl.load(add_ptr + rows[:, None] * sadd + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = _round(add + _round(s[:, None] * y, ACT), ACT)
+    if HAS_RES:
+        r = tl.load(res_ptr + rows[:, None] * sres + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = _round(y + r, ACT)
+    tl.store(out_ptr + rows[:, None] * so + offs_n[None, :], y.to(ACT), mask=mask)
+    if ROW_NORM:
+        tl.debug_barrier()
+        done = tl.atomic_add(tick_ptr + n_tiles, 1, sem="acq_rel", scope="gpu")
+        if done == n_tiles - 1:
+            tl.debug_barrier()
+            cols = tl.arange(0, BLOCK_R)
+            ss = tl.zeros((BLOCK_M,), tl.float32)
+            for c0 in range(0, N, BLOCK_R):
+                c_ok = c0 + cols < N
+                h = tl.load(out_ptr + rows[:, None] * so + (c0 + cols)[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                            other=0.0, cache_modifier=".cg").to(tl.float32)
+                ss += tl.sum(h * h, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / N + norm_eps)
+            for c0 in range(0, N, BLOCK_R):
+                c_ok = c0 + cols < N
+                cm = m_ok[:, None] & c_ok[None, :]
+                h = tl.load(out_ptr + rows[:, None] * so + (c0 + cols)[None, :], mask=cm, other=0.0,
+                            cache_modifier=".cg").to(tl.float32)
+                w = tl.load(nw_ptr + c0 + cols, mask=c_ok, other=0.0).to(tl.float32)
+                tl.store(y_ptr + rows[:, None] * sy + (c0 + cols)[None, :],
+                         (h * rstd[:, None] * (1.0 + w[None, :])).to(ACT), mask=cm)
+            tl.store(tick_ptr + n_tiles, 0)
+
+
+@triton.jit
+def _skinny_program(
+        pid_n, pid_k, n_tiles,
+        x_ptr, sx, g_ptr, sg, sgh, pw_ptr,
+        w_ptr, sw, rs_ptr, ws_ptr, tick_ptr,
+        out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
+        M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
+        PRO: tl.constexpr, EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
+        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+        COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program (pid_n, pid_k) of an n_tiles x SPLIT_K grid (the fused router runs the shared expert's
+    gate_up tiles through it too, with its own tickets)."""
+    ACT: tl.constexpr = x_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_M)
+    m_ok = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    rstd = tl.zeros((BLOCK_M,), tl.float32)
+    if PRO == 1:
+        ss = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xk = tl.load(x_ptr + rows[:, None] * sx + (k0 + offs_k)[None, :],
+                         mask=m_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xk * xk, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + pro_eps)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
+    w_rows = offs_n.to(tl.int64) * sw
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = k0 + offs_k
+        if EVEN_K:  # every tile full: masks constant along K keep the 16-byte vector loads
+            k_ok = offs_k < BLOCK_K
+        else:
+            k_ok = cols < k_hi
+        a = _load_a(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, rows, cols, m_ok, k_ok, rstd, pro_eps,
+                    PRO, HEAD, BLOCK_M, BLOCK_K, ACT)
+        wmask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        acc = _mac(acc, a, w, USE_DOT, COMPUTE)
+        if EPI == 1:
+            wu = tl.load(w_ptr + (w_rows + N * sw)[:, None] + cols[None, :], mask=wmask, other=0.0,
+                         eviction_policy="evict_first")
+            acc_u = _mac(acc_u, a, wu, USE_DOT, COMPUTE)
+    if HAS_SCALE:
+        acc = acc * tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        if EPI == 1:
+            acc_u = acc_u * tl.load(rs_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
+
+    if SPLIT_K == 1:
+        _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
+                nw_ptr, y_ptr, sy, tick_ptr, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
+                EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT)
+    else:
+        # partials [SPLIT_K, (2,) BLOCK_M, N] f32; the gated epilogue keeps the up half after the gate half
+        W2: tl.constexpr = 2 if EPI == 1 else 1
+        part = ws_ptr + rows[:, None] * N + offs_n[None, :]
+        pmask = m_ok[:, None] & n_ok[None, :]
+        split_stride = W2 * BLOCK_M * N
+        tl.store(part + pid_k * split_stride, acc, mask=pmask)
+        if EPI == 1:
+            tl.store(part + pid_k * split_stride + BLOCK_M * N, acc_u, mask=pmask)
+        tl.debug_barrier()
+        done = tl.atomic_add(tick_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            tl.debug_barrier()
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order: bit-reproducible
+                acc += tl.load(part + s * split_stride, mask=pmask, other=0.0, cache_modifier=".cg")
+                if EPI == 1:
+                    acc_u += tl.load(part + s * split_stride + BLOCK_M * N, mask=pmask, other=0.0,
+                                     cache_modifier=".cg")
+            tl.store(tick_ptr + pid_n, 0)
+            _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
+                    nw_ptr, y_ptr, sy, tick_ptr, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
+                    EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT)
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+        x_ptr, sx, g_ptr, sg, sgh, pw_ptr,
+        w_ptr, sw, rs_ptr, ws_ptr, tick_ptr,
+        out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
+        M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
+        PRO: tl.constexpr, EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
+        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+        COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if PDL:  # let the next kernel launch; pull this program's weights into L2 while the previous one ends
+        gdc_launch_dependents()
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _prefetch_weights(w_ptr, sw, offs_n, offs_n < N, pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), N,
+                          EPI == 1, BLOCK_K)
+        gdc_wait()
+    _skinny_program(pid_n, pid_k, tl.num_programs(0),
+                    x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rs_ptr, ws_ptr, tick_ptr,
+                    out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
+                    M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
+                    PRO, EPI, HAS_RES, ROW_NORM, KC, HAS_SCALE, HEAD, SPLIT_K, USE_DOT, COMPUTE,
+                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K)
+
+
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def tickets(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters, one buffer per device, reused by every launch: each launch's winners reset
+    theirs to 0, and launches on one stream do not overlap (programmatic dependent launch waits for
+    the previous grid before touching them). Allocated on first use (a warm-up, before graph capture)."""
+    t = _tickets.get(device)
+    if t is None:
+        t = _tickets[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return t
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _compute_dtype(x: torch.Tensor):
+    if _interpreting() or x.dtype == torch.float32:
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
+
+
+def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=None, pro_w=None, head: int = 0,
+                  pro_eps: float = 1e-6, epilogue: str = "none", addend=None, gate_logit=None, residual=None,
+                  norm_w=None, norm_eps: float = 1e-6, conv=None, out=None):
+    """The fused launch (see naive.skinny_linear for the semantics). x [M, K]; w a WeightTensor (dense or
+    fp8) [N or 2N, K]; cfg a SkinnyConfig; conv = (weight [C, KC], state [slots, KC-1, C], state_indices [M])
+    for the conv epilogue. Returns y [M, N] (written into `out` if given), or (normed, h) with norm_w."""
+    M, K = x.shape
+    if w.fmt not in ("dense", "fp8"):
+        raise ValueError(f"skinny GEMM takes dense or fp8 weights, not {w.fmt}")
+    if w.in_features != K:
+        raise ValueError(f"x has {K} features, weight expects {w.in_features}")
+    if x.stride(1) != 1 or w.data.stride(1) != 1:
+        raise ValueError("x and the weight rows must be contiguous along K")
+    rows_w = w.out_features
+    N = rows_w // 2 if epilogue == "silu_mul" else rows_w
+    if epilogue == "silu_mul" and rows_w % 2:
+        raise ValueError(f"silu_mul needs [gate; up] weight rows, got {rows_w}")
+    block_m = max(cfg.min_block_m if cfg.use_dot else 1, triton.next_power_of_2(max(M, 1)))
+    if block_m > 32:
+        raise ValueError(f"skinny GEMM handles up to 32 rows, got {M}")
+    if prologue_kind == "gated_norm" and (head <= 0 or cfg.block_k % head or K % head):
+        raise ValueError(f"gated_norm prologue needs block_k ({cfg.block_k}) and K ({K}) multiples of head={head}")
+    if prologue_kind in ("gated_norm", "sigmoid_gate") and gate is None:
+        raise ValueError(f"the {prologue_kind} prologue needs a gate")
+    dev = x.device
+    out = torch.empty(M, N, dtype=x.dtype, device=dev) if out is None else out
+    y = torch.empty(M, N, dtype=x.dtype, device=dev) if norm_w is not None else out
+    if M == 0:
+        return (y, out) if norm_w is not None else out
+    split = cfg.split_k
+    k_per = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_per)  # no empty splits
+    n_tiles = triton.cdiv(N, cfg.block_n)
+    if (split > 1 or norm_w is not None) and n_tiles + 1 > TICKETS:
+        raise ValueError(f"{n_tiles} N tiles exceed the {TICKETS} tickets")
+    wide = 2 if epilogue == "silu_mul" else 1
+    ws = torch.empty(split * wide * block_m * N if split > 1 else 1, dtype=torch.float32, device=dev)
+    dummy = x
+    g = gate if gate is not None else dummy
+    # gate: [M, K], or a per-head strided view [M, K // head, head] (attention's [q | gate] interleave)
+    if g.dim() == 3:
+        if g.shape[1] * g.shape[2] != K or g.shape[2] != head:
+            raise ValueError(f"gate of shape {tuple(g.shape)} must be [M, K / head, head={head}]")
+        sgh = g.stride(1)
+    else:
+        sgh = max(head, 1)
+    gl = gate_logit if gate_logit is not None else dummy
+    add = addend if addend is not None else dummy
+    res = residual if residual is not None else dummy
+    if epilogue == "conv":
+        cw, cs, idx = conv
+        CC, KC = cw.shape
+        if CC > N or cs.shape[1:] != (KC - 1, CC) or cs.stride(1) != CC or cs.stride(2) != 1 or idx.shape != (M,):
+            raise ValueError(f"conv epilogue: weight {tuple(cw.shape)}, state {tuple(cs.shape)}, indices "
+                             f"{tuple(idx.shape)} do not fit {M} rows x {N} columns")
+        if not cw.is_contiguous():
+            raise ValueError("conv weight must be contiguous [C, K]")
+    else:
+        cw, cs, idx, CC, KC = dummy, dummy, dummy, 0, 2
+    for t, name in ((g, "gate"), (add, "addend"), (res, "residual")):
+        if t is not dummy and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dim")
+    _skinny_gemm_kernel[(n_tiles, split)](
+        x, x.stride(0), g, g.stride(0), sgh, pro_w if pro_w is not None else dummy,
+        w.data, w.data.stride(0), w.row_scale if w.row_scale is not None else dummy, ws, tickets(dev),
+        out, out.stride(0), add, add.stride(0), gl, gl.stride(0), res, res.stride(0),
+        norm_w if norm_w is not None else dummy, y, y.stride(0),
+        M, N, K, k_per, pro_eps, norm_eps, cw, cs, cs.stride(0) if epilogue == "conv" else 0, idx, CC,
+        PRO=PROLOGUES[prologue_kind], EPI=EPILOGUES[epilogue], HAS_RES=residual is not None, KC=KC,
+        ROW_NORM=norm_w is not None, HAS_SCALE=w.row_scale is not None, HEAD=max(head, 1), SPLIT_K=split,
+        USE_DOT=cfg.use_dot, COMPUTE=_compute_dtype(x), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_R=min(1024, triton.next_power_of_2(N)) if block_m <= 4 else 256, EVEN_K=K % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(x))
+    return (y, out) if norm_w is not None else out

@@ -1,0 +1,417 @@
+"""NVFP4 grouped GEMM for decode batches on sm_80+ (Hopper target): weights as MMA fragments.
+
+Gluon (`triton.experimental.gluon`) kernel over the repacked layout of nvfp4_layout.py:
+    out[r, n] = sum_k A[row(r), k] * W[e(r), n, k]
+Each warp owns 16 weight rows (the M side of mma.sync m16n8k16, bf16, k_width 8) and a CTA of
+WARPS warps 16 * WARPS rows; the N side is one 8-token block of one expert (align.py with
+block_m = 8). A K step is UNITS units of 64 k: per unit a lane issues one 16-byte load of its own
+A-fragment codes (a warp reads 512 contiguous bytes) and one 4-byte load of their four block scales,
+decodes them in registers with inline PTX (11 integer ops per 8 codes + one PRMT/IMAD per scale and
+4 bf16x2 FMAs, see nvfp4_layout.py) and feeds the MMA straight from registers: the regrouping of the
+decoded tile into the operand layout is asserted trivial at compile time (no shared memory).
+Activations load as the B fragment directly (a lane's 16 bytes are 8 consecutive k of one token).
+
+Split-K: grid axis 1 cuts K into SPLIT_K ranges; each writes f32 partials that
+grouped_gemm.silu_mul_reduce / sum_reduce add in a fixed order. No atomics: bitwise reproducible,
+CUDA graphs on or off. Gated (w13) tiles hold 8 gate + 8 up rows so SiLU * up needs no exchange.
+
+Gluon kernels do not run under TRITON_INTERPRET; `available()` says whether this path can run.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+try:  # Gluon ships with triton >= 3.5; the layout / mma_v2 API used here is the same in 3.6 .. 3.9
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover
+    HAVE_GLUON = False
+
+from linrnn_kernels.moe import nvfp4_layout as lay
+
+# default tile (measured on the H200, results/kernels/moe/moe_mma_*: the (tokens, warps, units, groups,
+# prefetch) sweep): 1 unit (64 k) per K step, two steps per loop iteration with the next step's codes
+# in flight, 48 registers
+DEFAULT_UNITS = 1
+DEFAULT_PREFETCH = True
+TOKENS = (8, 16)  # MMA N: tokens per expert block (16: two n8 MMAs share each decoded A fragment)
+
+# $0..$15: out_j of words 0..3 (out0 w0..w3, out1 w0..w3, ...); $16..$19 the four code words; $20 the
+# lane's four re-encoded scale bytes (byte w for word w; $21..$27 repeat it). Per word w:
+#   s  = prmt(scales, byte w -> halves) ; s = s * 16 + bias   -> bf16 pair [v, v] x 2^119
+#   out_j = decode_j(q) * s  (bf16x2 FMA with -0 so signed zeros survive)
+def _decode_asm() -> str:
+    lines = ["{", ".reg .b32 s, a, b, nz;", "mov.b32 nz, 0x80008000;"]
+    for w in range(4):
+        q = f"${16 + w}"
+        o = [f"${4 * j + w}" for j in range(4)]
+        sel = 0x4040 | (w << 8) | w
+        lines += [
+            f"prmt.b32 s, $20, 0, {sel:#x};",
+            f"mad.lo.u32 s, s, 16, {lay.SCALE_BIAS:#x};",
+            f"and.b32 {o[2]}, {q}, 0x81C081C0;",
+            f"shl.b32 a, {q}, 3;",
+            f"and.b32 {o[1]}, a, 0x81C081C0;",
+            f"shl.b32 a, {q}, 2;",
+            f"shl.b32 b, {q}, 6;",
+            f"and.b32 a, a, 0x80008000;",
+            f"and.b32 b, b, 0x01C001C0;",
+            f"or.b32 {o[0]}, a, b;",
+            f"shl.b32 a, {q}, 1;",
+            f"shr.b32 b, {q}, 3;",
+            f"and.b32 a, a, 0x80008000;",
+            f"and.b32 b, b, 0x01C001C0;",
+            f"or.b32 {o[3]}, a, b;",
+        ] + [f"fma.rn.bf16x2 {o[j]}, {o[j]}, s, nz;" for j in range(4)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+DECODE_ASM = _decode_asm()
+DECODE_CONSTRAINTS = ",".join(["=r"] * 16 + ["r"] * 12)
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _decode_mma(q, sw, x_base, x_off, offs_kb, k0, K, acc, a_op: gl.constexpr, EVEN_K: gl.constexpr,
+                    DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr):
+        """One K step: activations (B fragment), in-register decode of the codes q with scales sw,
+        regrouping into the A fragment (asserted trivial: no data movement), MMA."""
+        if EVEN_K:
+            xb = gl.load(x_base + x_off)
+        else:
+            xb = gl.load(x_base + x_off, mask=(k0 + offs_kb < K)[:, None], other=0.0)
+        s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            DECODE, CONSTRAINTS, [q, s8],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
+        # join appends its new dim last: [.., p, q] holds out_{2p + q}
+        # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]
+        wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
+        wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
+        wts = gl.permute(wts, [0, 5, 2, 1, 4, 3, 7, 8, 6])  # row = (w, r8, g); k = (u, cb, t, p, q, h)
+        wts = gl.reshape(wts, [16 * WARPS, 64 * UNITS])
+        a = gl.convert_layout(wts, a_op, assert_trivial=True)
+        return mma_v2(a, xb, acc)
+
+    @gluon.jit
+    def _nvfp4_mma_kernel(
+            x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_os, stride_om,
+            sorted_ids_ptr, expert_ids_ptr, route_w_ptr,
+            num_rows, N, K, n_tiles, k_units, num_m_blocks,
+            stride_ce, stride_se, stride_rse,
+            A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
+            SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
+            DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
+            GROUPS: gl.constexpr, PREFETCH: gl.constexpr):
+        ROWS: gl.constexpr = 16 * WARPS
+        BK: gl.constexpr = 64 * UNITS
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                      instr_shape=[16, 8])
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        # raw code words as loaded: [warp, unit, lane, 8 int16], one 16-byte vector per (warp, unit)
+        raw: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 8], threads_per_warp=[1, 1, 32, 1],
+                                             warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
+        sraw: gl.constexpr = gl.SliceLayout(3, raw)
+
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        pid_m = pid % num_m_blocks
+        pid_n = pid // num_m_blocks
+        expert = gl.load(expert_ids_ptr + pid_m)
+        if expert < 0:
+            return
+        expert = expert.to(gl.int64)
+
+        # activations (B operand [BK, 8]): rows of this 8-token block. Padding slots read row 0:
+        # their accumulator columns are never stored, so no load mask (and no zero-fill) is needed
+        offs_n = gl.arange(0, TOK, layout=gl.SliceLayout(0, b_op))
+        ids_b = gl.load(sorted_ids_ptr + pid_m * TOK + offs_n)
+        a_rows = gl.where(ids_b < num_rows, ids_b // A_ROW_DIV, 0).to(gl.int64)
+        offs_kb = gl.arange(0, BK, layout=gl.SliceLayout(1, b_op))
+        x_off = a_rows[None, :] * stride_x + offs_kb[:, None]
+
+        units_per_split = k_units // SPLIT_K
+        u_lo = pid_k * units_per_split
+
+        # code words (int16 view, 8 per lane per unit) at ((tile * k_units + unit) * 32 + lane) * 8 + e;
+        # loop-invariant offsets from scalar bases that advance by one K step
+        offs_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
+        offs_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
+        offs_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, raw))))
+        offs_e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, raw))))
+        c_off = ((offs_w[:, None, None, None] * k_units + offs_u[None, :, None, None]) * 256
+                 + offs_l[None, None, :, None] * 8 + offs_e[None, None, None, :])
+        # scale words (int32 view): lane (g, t) reads byte (2g + t // 2) * 4 of its unit's 64 bytes
+        so_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sraw)))
+        so_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, sraw)))
+        so_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sraw)))
+        s_off = ((so_w[:, None, None] * k_units + so_u[None, :, None]) * 16
+                 + ((so_l // 4) * 2 + (so_l % 4) // 2)[None, None, :])
+        # GROUPS row groups of 16 * WARPS rows per CTA, one after the other: longer CTAs amortize the
+        # prologue (expert id, token ids) where K is short (down_proj: K = 512 is two K steps)
+        for grp in range(GROUPS):
+            tile0 = (pid_n * GROUPS + grp) * WARPS
+            unit0 = tile0.to(gl.int64) * k_units + u_lo
+            c_base = codes_ptr + expert * stride_ce + unit0 * 256
+            s_base = scales_ptr + expert * stride_se + unit0 * 16
+            x_base = x_ptr + u_lo * 64
+
+            acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
+            k_end = (u_lo + units_per_split) * 64
+            if PREFETCH:
+                # two K steps per iteration, ping-pong: the codes and scales of the next step are in
+                # flight while this one is decoded (the last loads read pack()'s slack, unused)
+                qa = gl.load(c_base + c_off)
+                sa = gl.load(s_base + s_off)
+                for k0 in range(u_lo * 64, k_end, 2 * BK):
+                    qb = gl.load(c_base + UNITS * 256 + c_off)
+                    sb = gl.load(s_base + UNITS * 16 + s_off)
+                    acc = _decode_mma(qa, sa, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
+                                      CONSTRAINTS, WARPS, UNITS)
+                    qa = gl.load(c_base + 2 * UNITS * 256 + c_off)
+                    sa = gl.load(s_base + 2 * UNITS * 16 + s_off)
+                    acc = _decode_mma(qb, sb, x_base + BK, x_off, offs_kb, k0 + BK, K, acc, a_op, EVEN_K,
+                                      DECODE, CONSTRAINTS, WARPS, UNITS)
+                    c_base += 2 * UNITS * 256
+                    s_base += 2 * UNITS * 16
+                    x_base += 2 * BK
+            else:
+                for k0 in range(u_lo * 64, k_end, BK):
+                    q = gl.load(c_base + c_off)
+                    sw = gl.load(s_base + s_off)
+                    acc = _decode_mma(q, sw, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
+                                      CONSTRAINTS, WARPS, UNITS)
+                    c_base += UNITS * 256
+                    s_base += UNITS * 16
+                    x_base += BK
+
+            # epilogue: rows of this CTA in the accumulator layout
+            offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+            offs_t = gl.arange(0, TOK, layout=gl.SliceLayout(0, mma))
+            tile = tile0 + offs_r // 16
+            r8 = (offs_r // 8) % 2
+            g = offs_r % 8
+            if GATED:
+                half = N // 2
+                col = tile * 8 + g
+                w_row = r8 * half + col
+                row_ok = col < half
+            else:
+                w_row = tile * 16 + r8 * 8 + g
+                row_ok = w_row < N
+            rs = gl.load(rs_ptr + expert * stride_rse + w_row, mask=row_ok, other=0.0)
+            acc = acc * (rs * GAIN)[:, None]
+            ids = gl.load(sorted_ids_ptr + pid_m * TOK + offs_t)
+            tok_ok = ids < num_rows
+            if ROUTE_WEIGHTED:
+                acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
+            rows_out = ids.to(gl.int64)[None, :] * stride_om
+            if GATED and SPLIT_K == 1:
+                # [w, r8, g, n] -> gate (r8 = 0) and up (r8 = 1) of the same (g, n) in one thread
+                acc4 = gl.permute(gl.reshape(acc, [WARPS, 2, 8, TOK]), [0, 2, 3, 1])
+                gate, up = gl.split(acc4)
+                h = gate / (1.0 + gl.exp(-gate)) * up
+                hl: gl.constexpr = gate.type.layout
+                hw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
+                hg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
+                hn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
+                hcol = (tile0 + hw)[:, None, None] * 8 + hg[None, :, None]
+                hids = gl.load(sorted_ids_ptr + pid_m * TOK + hn)
+                hok = (hcol < N // 2) & (hids < num_rows)[None, None, :]
+                gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + hcol,
+                         h.to(out_ptr.dtype.element_ty), mask=hok)
+            else:
+                gl.store(out_ptr + pid_k * stride_os + rows_out + w_row[:, None],
+                         acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+
+
+def available(device=None) -> bool:
+    """Whether the MMA-fragment NVFP4 path can run: Gluon importable, a Hopper (sm_90) CUDA device
+    (the only one it is tested on), not the interpreter, not disabled by LINRNN_NVFP4_GEMM
+    (auto / mma select it; asm / triton / dot_scaled force the grouped_gemm.py paths)."""
+    if not HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    if os.environ.get("LINRNN_NVFP4_GEMM", "auto") not in ("auto", "mma"):
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major == 9
+
+
+def split_k(k_units: int, programs: int, num_sms: int) -> int:
+    """Smallest power-of-two split of the K units giving >= 2 programs per SM (each split keeps
+    >= 2 units), so B = 1-8 decode still fills the SMs."""
+    split = 1
+    while programs * split < 2 * num_sms and k_units % (2 * split) == 0 and k_units // (2 * split) >= 2:
+        split *= 2
+    return split
+
+
+def units_per_step(k_units: int, split: int, most: int = 4) -> int:
+    """64-k units per K step: the largest power of two <= `most` dividing a split's units."""
+    per = k_units // split
+    units = most
+    while per % units:
+        units //= 2
+    return units
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device) -> int:
+    return _num_sms(torch.device(device).index or 0)
+
+
+def programs_per_block(w: lay.PackedNvfp4, warps: int = 4) -> int:
+    T = w.codes.shape[1]
+    warps = min(warps, T)
+    while T % warps:
+        warps //= 2
+    return T // warps
+
+
+def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
+           sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
+           split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
+           prefetch: bool = False):
+    """One grouped GEMM over 8-token blocks. out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
+    f32 partials [split, rows, N] (columns in the original row order of w)."""
+    E, T, U, _ = w.codes.shape
+    units = units_per_step(U, split, units or 4)
+    if U % (units * split):
+        raise ValueError(f"k units {U} not divisible by split {split} x units {units}")
+    warps = min(warps, T)
+    while T % warps:
+        warps //= 2
+    while (T // warps) % groups:
+        groups //= 2
+    # the prefetch runs two K steps per iteration and reads up to two steps past a split's end: only
+    # with an even step count and over buffers with pack()'s slack
+    prefetch = (prefetch and (U // split // units) % 2 == 0 and lay.has_slack(w.codes)
+                and lay.has_slack(w.scales))
+    codes16 = w.codes.view(torch.int16)
+    scales32 = w.scales.view(torch.int32)
+    grid = (num_m_blocks * (T // (warps * groups)), split)
+    dummy = out
+    _nvfp4_mma_kernel[grid](
+        x, x.stride(0), codes16, scales32, w.row_scale, out,
+        out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
+        sorted_ids, expert_ids, route_weights if route_weights is not None else dummy,
+        num_rows, w.n, w.k, T, U, num_m_blocks,
+        codes16.stride(0), scales32.stride(0), w.row_scale.stride(0),
+        A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None,
+        SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
+        DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
+        GROUPS=groups, PREFETCH=prefetch, num_warps=warps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
+
+def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
+                    route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
+                    prefetch: bool = False):
+    """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
+           "out_ptr": "*bf16" if (gated and split == 1) else "*fp32", "stride_os": "i32", "stride_om": "i32",
+           "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "route_w_ptr": "*bf16",
+           "num_rows": "i32", "N": "i32", "K": "i32", "n_tiles": "i32", "k_units": "i32",
+           "num_m_blocks": "i32", "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
+    consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=route_weighted, SPLIT_K=split,
+                  UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
+                  GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch)
+    for k in consts:
+        sig[k] = "constexpr"
+    # what the JIT specializes at run time: pointers and these ints divisible by 16
+    div16 = {"x_ptr", "stride_x", "codes_ptr", "scales_ptr", "rs_ptr", "out_ptr", "stride_os", "stride_om",
+             "sorted_ids_ptr", "expert_ids_ptr", "route_w_ptr", "N", "K", "stride_ce", "stride_se", "stride_rse"}
+    names = list(_nvfp4_mma_kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = gluon._runtime.GluonASTSource(fn=_nvfp4_mma_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def _sass(cubin: bytes, what: str = "-sass") -> str:
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia import compiler as nvc
+
+    tool = os.path.join(os.path.dirname(nvc.__file__), "bin", "cuobjdump")  # shipped with triton
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, what, f.name], check=True, capture_output=True, text=True).stdout
+
+
+@functools.lru_cache(maxsize=None)
+def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
+                 tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH) -> dict:
+    """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
+    instructions per loop iteration and per weight (thread instructions / weights a thread
+    consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
+    the loop, register spills, registers and shared memory of the kernel."""
+    import collections
+    import json
+    import re
+    import subprocess
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # the interpreter patches triton.language globally once a kernel has run in it, which breaks
+        # real compilation in this process: compile in a clean one
+        args = dict(gated=gated, split=split, units=units, warps=warps, arch=arch, tokens=tokens, groups=groups,
+                    prefetch=prefetch)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        out = subprocess.run([sys.executable, "-m", "linrnn_kernels.moe.nvfp4_mma", json.dumps(args)], env=env,
+                             check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
+                        tokens=tokens, groups=groups, prefetch=prefetch)
+    sass = _sass(k.asm["cubin"])
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    if not loops:
+        raise RuntimeError("no backward branch (K loop) found in the SASS")
+    # the K loop: the innermost loop that issues MMAs (an outer loop runs over row groups)
+    loops = [r for r in loops if any(r[0] <= a <= r[1] and "HMMA" in t for a, t in ins)]
+    if not loops:
+        raise RuntimeError("no loop with MMAs found in the SASS")
+    lo, hi = min(loops, key=lambda r: r[1] - r[0])
+    body = [t for a, t in ins if lo <= a <= hi]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    weights = 16 * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
+    res = re.search(r"REG:(\d+)", _sass(k.asm["cubin"], "-res-usage"))
+    return {"instructions": len(body), "per_weight": len(body) / weights, "ops": dict(ops),
+            "smem_ops_in_loop": sum(v for o, v in ops.items() if o in ("STS", "LDS", "LDSM", "BAR", "STSM")),
+            "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
+            "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared}
+
+
+if __name__ == "__main__":  # k_loop_stats in a clean process: python -m linrnn_kernels.moe.nvfp4_mma '{"gated": true}'
+    import json
+    import sys
+
+    print(json.dumps(k_loop_stats(**json.loads(sys.argv[1]))))

@@ -1,0 +1,281 @@
+"""The whole router of a decode-sized batch in one launch: gate GEMM (router rows, plus the shared
+expert's gate row when the model has one) -> f32 softmax over the experts -> top-k -> optional
+renormalisation -> expert alignment in align.py's output contract; optionally, in the same launch,
+the shared expert's gate_up projection with SiLU*mul (it reads the same x).
+
+Its naive composition (`naive_route_align`): logits = x W^T rounded to the activation dtype;
+naive.route on logits[:, :E]; the top-k weights cast to the activation dtype (as the layer does
+before the experts); naive.moe_align_block_size on the ids.
+
+Grid (N tiles, K splits) as the skinny GEMM (kernels/gemv/skinny.py: same tiles, fixed-order split-K
+reduction through tickets); the last N tile to finish (a second ticket) routes every row and aligns
+the pairs in one program, with no atomics on data, so the output is deterministic:
+  counts per expert (histogram) -> padded run starts (cumsum) -> sorted_ids filled with the sentinel
+  P = M * k -> each pair p placed at start[e_p] + #{q < p : e_q = e_p} -> expert_ids of every block.
+The per-expert starts go through a small scratch buffer (a gather by expert id).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from linrnn_kernels.gemv.config import SkinnyConfig, pdl_launch_kwargs
+from linrnn_kernels.gemv.skinny import (
+    TICKETS,
+    _mac,
+    _round,
+    _skinny_program,
+    gdc_launch_dependents,
+    gdc_wait,
+    tickets,
+)
+from linrnn_kernels.moe.align import max_padded_pairs
+
+MAX_PAIRS = 512  # rows x top_k routed in the single finishing program
+
+
+@triton.jit
+def _route_rows(lg_ptr, slg, w_ptr, ids_ptr, M, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    col = tl.arange(0, BLOCK_E)
+    m_ok = rows < M
+    logits = tl.load(lg_ptr + rows[:, None] * slg + col[None, :], mask=m_ok[:, None] & (col < E)[None, :],
+                     other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    row_max = tl.where(m_ok, tl.max(logits, axis=1), 0.0)
+    p = tl.exp(logits - row_max[:, None])
+    p = p / tl.where(m_ok, tl.sum(p, axis=1), 1.0)[:, None]
+    slot = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    top_i = tl.zeros((BLOCK_M, BLOCK_K), tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(p, axis=1, tie_break_left=True)
+        best_p = tl.max(p, axis=1)
+        top_w = tl.where(slot[None, :] == j, best_p[:, None], top_w)
+        top_i = tl.where(slot[None, :] == j, best[:, None].to(tl.int32), top_i)
+        p = tl.where(col[None, :] == best[:, None], -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.where(m_ok, tl.sum(top_w, axis=1), 1.0)[:, None]
+    out = rows[:, None] * TOP_K + slot[None, :]
+    omask = m_ok[:, None] & (slot < TOP_K)[None, :]
+    tl.store(w_ptr + out, top_w.to(w_ptr.dtype.element_ty), mask=omask)
+    tl.store(ids_ptr + out, top_i, mask=omask)
+
+
+@triton.jit
+def _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, P, E, max_blocks,
+                 BLOCK_M_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_p = tl.arange(0, BLOCK_P)
+    p_ok = offs_p < P
+    ids = tl.load(ids_ptr + offs_p, mask=p_ok, other=-1)
+    counts = tl.histogram(tl.where(p_ok, ids, 0), BLOCK_E, mask=p_ok)
+    padded = (counts + BLOCK_M_ALIGN - 1) // BLOCK_M_ALIGN * BLOCK_M_ALIGN
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(starts_ptr + offs_e, ends - padded, mask=offs_e < E)
+    tl.debug_barrier()
+    # sentinel everywhere in the used range, then the pairs on top (CTA barrier between)
+    for s0 in range(0, total, BLOCK_P):
+        s = s0 + offs_p
+        tl.store(sorted_ptr + s, tl.zeros((BLOCK_P,), tl.int32) + P, mask=s < total)
+    tl.debug_barrier()
+    # rank of each pair among the earlier pairs of its expert, BLOCK_B pairs at a time
+    offs_c = tl.arange(0, BLOCK_B)
+    for c0 in range(0, P, BLOCK_B):
+        pc = c0 + offs_c
+        c_ok = pc < P
+        ids_c = tl.load(ids_ptr + pc, mask=c_ok, other=-1)
+        earlier = (ids[None, :] == ids_c[:, None]) & (offs_p[None, :] < pc[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        start = tl.load(starts_ptr + tl.where(c_ok, ids_c, 0), mask=c_ok, other=0)
+        tl.store(sorted_ptr + start + rank, pc, mask=c_ok)
+    offs_b = tl.arange(0, BLOCK_B)
+    for b0 in range(0, max_blocks, BLOCK_B):
+        blk = b0 + offs_b
+        pos = blk * BLOCK_M_ALIGN
+        e = tl.sum(((ends[None, :] <= pos[:, None]) & (offs_e < E)[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + blk, tl.where(pos < total, e, -1), mask=blk < max_blocks)
+    tl.store(num_padded_ptr, total)
+
+
+@triton.jit
+def _router_program(pid_n, pid_k, n_tiles, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
+                    tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+                    M, NL, K, K_PER, E, max_blocks,
+                    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+                    COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr):
+    ACT: tl.constexpr = x_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_M)
+    m_ok = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < NL
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
+    w_rows = offs_n.to(tl.int64) * sw
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = k0 + offs_k
+        if EVEN_K:
+            k_ok = offs_k < BLOCK_K
+        else:
+            k_ok = cols < k_hi
+        a = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        acc = _mac(acc, a, w, USE_DOT, COMPUTE)
+    pmask = m_ok[:, None] & n_ok[None, :]
+    lg = lg_ptr + rows[:, None] * slg + offs_n[None, :]
+    tile_done = True
+    if SPLIT_K > 1:
+        part = ws_ptr + rows[:, None] * NL + offs_n[None, :]
+        tl.store(part + pid_k * BLOCK_M * NL, acc, mask=pmask)
+        tl.debug_barrier()
+        done = tl.atomic_add(tick_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        tile_done = done == SPLIT_K - 1
+        if tile_done:
+            tl.debug_barrier()
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order: bit-reproducible
+                acc += tl.load(part + s * BLOCK_M * NL, mask=pmask, other=0.0, cache_modifier=".cg")
+            tl.store(tick_ptr + pid_n, 0)
+    if tile_done:
+        tl.store(lg, _round(acc, ACT).to(ACT), mask=pmask)
+        tl.debug_barrier()
+        finished = tl.atomic_add(tick_ptr + n_tiles, 1, sem="acq_rel", scope="gpu")
+        if finished == n_tiles - 1:
+            tl.debug_barrier()
+            _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, M, E, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_TOPK)
+            tl.debug_barrier()
+            _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M * TOP_K, E, max_blocks,
+                         BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
+            tl.store(tick_ptr + n_tiles, 0)
+
+
+
+
+@triton.jit
+def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
+                   tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+                   w13_ptr, sw13, h_ptr, sh, ws13_ptr,
+                   M, NL, K, K_PER, E, max_blocks, NI, n_tiles_r,
+                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+                   COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
+                   BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                   PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if HAS_SHARED:
+        if pid_n >= n_tiles_r:
+            # the shared expert's gate_up tiles (same input x): SiLU(gate) * up into h, with own tickets
+            _skinny_program(pid_n - n_tiles_r, pid_k, tl.num_programs(0) - n_tiles_r,
+                            x_ptr, sx, x_ptr, 0, 1, x_ptr, w13_ptr, sw13, ws13_ptr, ws13_ptr,
+                            tick_ptr + n_tiles_r + 1, h_ptr, sh, x_ptr, 0, x_ptr, 0, x_ptr, 0, x_ptr, x_ptr, 0,
+                            M, NI, K, K_PER, 0.0, 0.0, x_ptr, x_ptr, 0, x_ptr, 0,
+                            0, 1, False, False, 2, False, 1, SPLIT_K, USE_DOT, COMPUTE,
+                            BLOCK_M, BLOCK_N, BLOCK_K, 16, EVEN_K)
+        else:
+            _router_program(pid_n, pid_k, n_tiles_r, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
+                            tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+                            M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_K, USE_DOT, COMPUTE,
+                            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
+                            EVEN_K)
+    else:
+        _router_program(pid_n, pid_k, n_tiles_r, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
+                        tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+                        M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_K, USE_DOT, COMPUTE,
+                        BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
+                        EVEN_K)
+
+
+def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormalize: bool, block_m: int,
+                cfg: SkinnyConfig, shared_w13=None):
+    """x [M, K], gate_w a dense WeightTensor [E (+ extra gate rows), K] ->
+    (logits [M, NL] in x.dtype, topk_weights [M, k] in x.dtype, topk_ids [M, k] int32,
+     (sorted_ids, expert_ids, num_padded) as align.moe_align_block_size(topk_ids, E, block_m), h).
+    With shared_w13 (the shared expert's dense [gate; up] rows [2I, K]) the same launch also computes
+    h = SiLU(x gate^T) * (x up^T) [M, I] (else h is None)."""
+    M, K = x.shape
+    E = num_experts
+    if gate_w.fmt != "dense":
+        raise ValueError("the router gate is never quantized (SPEC §2.2); got " + gate_w.fmt)
+    NL = gate_w.out_features
+    if NL < E or gate_w.in_features != K:
+        raise ValueError(f"gate weight {tuple(gate_w.data.shape)} does not fit x {tuple(x.shape)} and E={E}")
+    if not 1 <= top_k <= E or E > 1024:
+        raise ValueError(f"top_k={top_k} must be in [1, E={E}] and E <= 1024")
+    P = M * top_k
+    if P > MAX_PAIRS or M > 32:
+        raise ValueError(f"fused router handles up to 32 rows and {MAX_PAIRS} pairs, got {M} x {top_k}")
+    dev = x.device
+    block_mm = max(16 if cfg.use_dot else 1, triton.next_power_of_2(max(M, 1)))
+    k_per = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_per)
+    n_tiles = triton.cdiv(NL, cfg.block_n)
+    if n_tiles + 1 > TICKETS:
+        raise ValueError(f"{n_tiles} N tiles exceed the {TICKETS} tickets")
+    max_padded = max_padded_pairs(P, E, block_m)
+    max_blocks = max_padded // block_m
+    logits = torch.empty(M, NL, dtype=x.dtype, device=dev)
+    topk_w = torch.empty(M, top_k, dtype=x.dtype, device=dev)
+    topk_ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(max(max_padded, 1), dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max(max_blocks, 1), dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    starts = torch.empty(E, dtype=torch.int32, device=dev)
+    ws = torch.empty(split * block_mm * NL if split > 1 else 1, dtype=torch.float32, device=dev)
+    if shared_w13 is not None:
+        if shared_w13.fmt != "dense" or shared_w13.in_features != K or shared_w13.out_features % 2:
+            raise ValueError(f"shared_w13 must be dense [2I, {K}], got {shared_w13.fmt} {tuple(shared_w13.data.shape)}")
+        NI = shared_w13.out_features // 2
+        n_tiles_s = triton.cdiv(NI, cfg.block_n)
+        h = torch.empty(M, NI, dtype=x.dtype, device=dev)
+        ws13 = torch.empty(split * 2 * block_mm * NI if split > 1 else 1, dtype=torch.float32, device=dev)
+        w13, sw13 = shared_w13.data, shared_w13.data.stride(0)
+    else:
+        NI, n_tiles_s, h, ws13, w13, sw13 = 0, 0, None, ws, x, 0
+    if n_tiles + 1 + n_tiles_s + 1 > TICKETS:
+        raise ValueError(f"{n_tiles} + {n_tiles_s} N tiles exceed the {TICKETS} tickets")
+    if M:
+        from linrnn_kernels.gemv.skinny import _compute_dtype
+
+        _router_kernel[(n_tiles + n_tiles_s, split)](
+            x, x.stride(0), gate_w.data, gate_w.data.stride(0), ws, tickets(dev), logits, logits.stride(0),
+            topk_w, topk_ids, starts, sorted_ids, expert_ids, num_padded,
+            w13, sw13, h if h is not None else x, h.stride(0) if h is not None else 0, ws13,
+            M, NL, K, k_per, E, max_blocks, NI, n_tiles,
+            TOP_K=top_k, RENORMALIZE=bool(renormalize), SPLIT_K=split, USE_DOT=cfg.use_dot,
+            COMPUTE=_compute_dtype(x), BLOCK_M=block_mm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
+            BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, EVEN_K=K % cfg.block_k == 0,
+            HAS_SHARED=shared_w13 is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(x))
+    else:
+        num_padded.zero_()
+        expert_ids.fill_(-1)
+    return logits, topk_w, topk_ids, (sorted_ids, expert_ids, num_padded), h
+
+
+def naive_route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, block_m: int):
+    """The unfused composition: (logits, topk_weights in x.dtype, topk_ids, naive alignment)."""
+    from linrnn_kernels.moe import naive
+
+    logits = (x.float() @ gate_w.dequantize(torch.float32).t()).to(x.dtype)
+    w, ids = naive.route(logits[:, :num_experts], top_k, renormalize)
+    return logits, w.to(x.dtype), ids, naive.moe_align_block_size(ids, num_experts, block_m)
+
+
+def naive_shared_gate_up(x, shared_w13):
+    """The unfused composition of the shared expert's first half: silu_mul(x W13^T rounded)."""
+    from linrnn_kernels.gemv import naive as gemv_naive
+
+    return gemv_naive.skinny_linear(x, shared_w13, epilogue="silu_mul")

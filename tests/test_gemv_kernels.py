@@ -1,0 +1,398 @@
+"""Skinny GEMM (kernels/gemv/skinny.py) and the fused router (kernels/moe/router_fused.py) vs their naive
+compositions, on fresh random inputs with NaN-poisoned outputs and scratch (interpreter on CPU, small
+shapes); sm_90 compile checks outside the interpreter."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import KERNEL_DEVICE, rel_fro
+from linrnn_kernels.gemv import config as gcfg
+from linrnn_kernels.gemv import naive, skinny
+from linrnn_kernels.quant import WeightTensor
+
+DEV = KERNEL_DEVICE
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    real = torch.empty
+
+    def empty(*args, **kw):
+        t = real(*args, **kw)
+        if t.is_floating_point():
+            t.fill_(math.nan)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _weight(n, k, fmt, dtype):
+    if fmt == "fp8":
+        data = (torch.randn(n, k, device=DEV) * 0.5).to(torch.float8_e4m3fn)
+        return WeightTensor("fp8", data, None, (0.02 + 0.01 * torch.rand(n, device=DEV)).float())
+    return WeightTensor("dense", (torch.randn(n, k, device=DEV) / math.sqrt(k)).to(dtype))
+
+
+def _tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+CONFIGS = [gcfg.SkinnyConfig(16, 32, 1, use_dot=False), gcfg.SkinnyConfig(16, 32, 3, use_dot=False),
+           gcfg.SkinnyConfig(32, 64, 2, use_dot=True)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["fma", "fma-split3", "dot-split2"])
+@pytest.mark.parametrize("M", [1, 3, 9])
+@pytest.mark.parametrize("fmt", ["dense", "fp8"])
+def test_plain_projection(poison_empty, cfg, M, fmt):
+    dtype = torch.bfloat16
+    N, K = 72, 160  # ragged N tile and K split
+    x = torch.randn(M, K, device=DEV).to(dtype)
+    w = _weight(N, K, fmt, dtype)
+    y = skinny.skinny_linear(x, w, cfg)
+    ref = naive.skinny_linear(x, w)
+    assert y.shape == (M, N) and not torch.isnan(y).any()
+    assert rel_fro(y, ref) <= _tol(dtype)
+    assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=["fma-split3", "dot-split2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_epilogue_and_row_norm(poison_empty, cfg, dtype):
+    """Shared-expert gate_up (silu_mul), and a down projection with the gate_add epilogue, residual add
+    and the next RMSNorm."""
+    M, H, I = 3, 96, 64
+    x = torch.randn(M, H, device=DEV).to(dtype)
+    w13 = _weight(2 * I, H, "dense", dtype)
+    y = skinny.skinny_linear(x, w13, cfg, epilogue="silu_mul")
+    ref = naive.skinny_linear(x, w13, epilogue="silu_mul")
+    assert y.shape == (M, I) and rel_fro(y, ref) <= _tol(dtype)
+
+    w2 = _weight(H, I, "dense", dtype)
+    add, res = torch.randn(M, H, device=DEV).to(dtype), torch.randn(M, H, device=DEV).to(dtype)
+    logits = torch.randn(M, 9, device=DEV).to(dtype)
+    nw = (0.1 * torch.randn(H, device=DEV)).to(dtype)
+    kw = dict(epilogue="gate_add", addend=add, gate_logit=logits[:, 8:], residual=res, norm_w=nw, norm_eps=1e-6)
+    normed, h = skinny.skinny_linear(ref, w2, cfg, **kw)
+    rnormed, rh = naive.skinny_linear(ref, w2, **kw)
+    assert rel_fro(h, rh) <= _tol(dtype) and rel_fro(normed, rnormed) <= _tol(dtype)
+    assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
+
+
+@pytest.mark.parametrize("prologue", ["rmsnorm", "gated_norm", "sigmoid_gate"])
+def test_prologues(poison_empty, prologue):
+    dtype = torch.bfloat16
+    M, K, N, head = 2, 128, 40, 32
+    cfg = gcfg.SkinnyConfig(16, 64, 2, use_dot=False)
+    x = torch.randn(M, K, device=DEV).to(dtype)
+    proj = torch.randn(M, K + 5, device=DEV).to(dtype)
+    gate = proj[:, 5:]  # a strided view, as the GDN z
+    if prologue == "sigmoid_gate":  # attention: per-head [q | gate] interleave
+        gate = torch.randn(M, K // head, 2 * head, device=DEV).to(dtype)[..., head:]
+    pro_w = (1 + 0.1 * torch.randn(head if prologue == "gated_norm" else K, device=DEV)).to(dtype)
+    w = _weight(N, K, "dense", dtype)
+    kw = dict(prologue_kind=prologue, gate=gate, pro_w=pro_w, head=head, pro_eps=1e-6)
+    res = torch.randn(M, N, device=DEV).to(dtype)
+    y = skinny.skinny_linear(x, w, cfg, residual=res, **kw)
+    ref = naive.skinny_linear(x, w, residual=res, **kw)
+    assert rel_fro(y, ref) <= _tol(dtype)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["fma", "fma-split3", "dot-split2"])
+def test_conv_epilogue(poison_empty, cfg):
+    """GDN in_proj with the causal conv + SiLU of the first C columns in the epilogue, conv state shifted in
+    place for the live slots (slot 0, the padded rows' dummy, shared by two rows here)."""
+    dtype, M, K, N, C, KC = torch.bfloat16, 4, 64, 72, 40, 4
+    x = torch.randn(M, K, device=DEV).to(dtype)
+    w = _weight(N, K, "dense", dtype)
+    cw = (0.5 * torch.randn(C, KC, device=DEV)).to(dtype)
+    state = torch.randn(6, KC - 1, C, device=DEV).to(dtype)
+    idx = torch.tensor([3, 0, 1, 0], dtype=torch.int32, device=DEV)
+    ref_state = state.clone()
+    y = skinny.skinny_linear(x, w, cfg, epilogue="conv", conv=(cw, state, idx))
+    ref = naive.skinny_linear(x, w, epilogue="conv", conv=(cw, ref_state, idx))
+    live = [0, 2]
+    assert rel_fro(y[live], ref[live]) <= _tol(dtype)
+    assert rel_fro(state[[3, 1]], ref_state[[3, 1]]) <= _tol(dtype)
+    assert torch.equal(state[[2, 4, 5]], ref_state[[2, 4, 5]])  # untouched slots
+
+
+def test_deterministic_across_calls():
+    x = torch.randn(4, 256, device=DEV).to(torch.bfloat16)
+    w = _weight(48, 256, "dense", torch.bfloat16)
+    cfg = gcfg.SkinnyConfig(16, 32, 4, use_dot=False)
+    a, b = skinny.skinny_linear(x, w, cfg), skinny.skinny_linear(x, w, cfg)
+    assert torch.equal(a, b)
+
+
+def test_rejects_bad_inputs():
+    x = torch.randn(2, 64, device=DEV).to(torch.bfloat16)
+    cfg = gcfg.SkinnyConfig(16, 32, 1)
+    with pytest.raises(ValueError, match="expects"):
+        skinny.skinny_linear(x, _weight(8, 32, "dense", torch.bfloat16), cfg)
+    with pytest.raises(ValueError, match="up to 32 rows"):
+        skinny.skinny_linear(torch.randn(33, 64, device=DEV).to(torch.bfloat16),
+                             _weight(8, 64, "dense", torch.bfloat16), cfg)
+    with pytest.raises(ValueError, match="multiples of head"):
+        skinny.skinny_linear(x, _weight(8, 64, "dense", torch.bfloat16), cfg, prologue_kind="gated_norm", head=24,
+                             gate=x, pro_w=x[0, :24])
+
+
+def test_default_config_fills_the_gpu(monkeypatch):
+    monkeypatch.delenv("LINRNN_SKINNY_TABLE", raising=False)
+    for M, N, K in [(1, 2048, 4096), (8, 2048, 512), (32, 12352, 2048), (1, 257, 2048)]:
+        c = gcfg.skinny_config(M, N, K, "dense", torch.device("cpu"))
+        programs = -(-N // c.block_n) * c.split_k
+        assert programs >= 132 or c.split_k * c.block_k >= K, (M, N, K, c)
+        assert c.block_k % 8 == 0  # 16-byte bf16 loads
+
+
+def test_switches(monkeypatch, tmp_path):
+    monkeypatch.setenv("LINRNN_SKINNY_GEMM", "0")
+    assert not gcfg.skinny_enabled(1, 2048, 4096, "dense")
+    monkeypatch.setenv("LINRNN_SKINNY_GEMM", "1")
+    assert gcfg.skinny_enabled(1, 2048, 4096, "dense") and not gcfg.skinny_enabled(33, 2048, 4096, "dense")
+    assert not gcfg.skinny_enabled(1, 2048, 4096, "nvfp4")
+    table = tmp_path / "t.json"
+    table.write_text('{"2048,4096,dense": {"max_m": 4, "2": [64, 128, 4, 4, 2, 0]}}')
+    monkeypatch.setenv("LINRNN_SKINNY_TABLE", str(table))
+    assert gcfg.skinny_enabled(4, 2048, 4096, "dense") and not gcfg.skinny_enabled(8, 2048, 4096, "dense")
+    assert gcfg.skinny_config(2, 2048, 4096, "dense", None) == gcfg.SkinnyConfig(64, 128, 4, 4, 2, False)
+
+
+_COMPILE_PROBE = r"""
+import re, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from linrnn_kernels.gemv import skinny
+fn = skinny._skinny_gemm_kernel
+for (pro, epi, res, norm, dot, split, bm, pdl) in [(0, 0, 0, 0, 0, 4, 1, 0), (2, 0, 1, 1, 0, 2, 1, 1),
+                                                    (0, 1, 0, 0, 1, 2, 16, 0), (3, 2, 1, 1, 1, 1, 32, 1)]:
+    cex = dict(PRO=pro, EPI=epi, HAS_RES=res, ROW_NORM=norm, HAS_SCALE=0, HEAD=128, SPLIT_K=split, USE_DOT=dot,
+               COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=16 if dot else 32, BLOCK_K=256 if bm == 1 else 128,
+               BLOCK_R=1024, EVEN_K=1, PDL=pdl)
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in cex:
+            sig[name], consts[(i,)] = "constexpr", cex[name]
+        elif name in ("pro_eps", "norm_eps"):
+            sig[name] = "fp32"
+        elif name in ("M", "N", "K", "K_PER") or name.startswith("s"):
+            sig[name] = "i32"
+            if name != "M":  # widths and row strides are multiples of 16 in the model (Triton specializes them)
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "*fp32" if name in ("ws_ptr", "rs_ptr") else "*i32" if name == "tick_ptr" else "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    ptx = k.asm["ptx"]
+    # 16-byte weight loads: vector loads with the evict-first hint, or 16-byte cp.async (pipelined dots)
+    wide = len(re.findall(r"ld\.global\.L1::evict_first\.L2::cache_hint\.v4\.b32", ptx)) + \
+        len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx))
+    narrow = len(re.findall(r"ld\.global\.L1::evict_first\.L2::cache_hint\.(b16|b32|v2)", ptx))
+    print("VARIANT", pro, epi, dot, "v4loads", wide if not narrow else 0, "gdc", "griddepcontrol" in ptx and "prefetch.global.L2" in ptx)
+from linrnn_kernels.moe import router_fused
+fn = router_fused._router_kernel
+for dot, bm in [(0, 1), (1, 32)]:
+    cex = dict(HAS_SHARED=dot == 0, TOP_K=8, RENORMALIZE=1, SPLIT_K=4, USE_DOT=dot, COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=16,
+               BLOCK_K=256 if bm == 1 else 128, BLOCK_E=256, BLOCK_TOPK=8, BLOCK_M_ALIGN=16, BLOCK_P=max(16, bm * 8),
+               BLOCK_B=32, EVEN_K=1, PDL=1)
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in cex:
+            sig[name], consts[(i,)] = "constexpr", cex[name]
+        elif name in ("M", "NL", "K", "K_PER", "E", "max_blocks", "sx", "sw", "slg", "sw13", "sh", "NI", "n_tiles_r"):
+            sig[name] = "i32"
+        else:
+            sig[name] = ("*fp32" if name in ("ws_ptr", "ws13_ptr") else
+                         "*i32" if name in ("tick_ptr", "ids_ptr", "starts_ptr", "sorted_ptr", "expert_ids_ptr",
+                                            "num_padded_ptr") else "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    print("ROUTER", dot, bm)
+from linrnn_kernels.norm import fused
+fn = fused._qk_norm_rope_kernel
+cex = dict(HALF=32, BLOCK=256, WRITE_KV=True, BS=16)
+sig, consts = {}, {}
+for i, name in enumerate(fn.arg_names):
+    if name in cex:
+        sig[name], consts[(i,)] = "constexpr", cex[name]
+    elif name == "eps":
+        sig[name] = "fp32"
+    elif name.endswith("_ptr"):
+        sig[name] = "*fp32" if name == "inv_ptr" else "*i64" if name in ("pos_ptr", "slot_ptr") else "*bf16"
+    else:
+        sig[name] = "i32"
+triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+               options=dict(num_warps=1))
+print("ROPE_KV")
+print("COMPILED")
+"""
+
+
+def test_compiles_for_sm90_with_16_byte_weight_loads():
+    """Compiled for sm_90 outside the interpreter (no GPU needed): every prologue / epilogue / dot
+    variant compiles, weight loads are 16-byte vectors, and the PDL variants carry griddepcontrol and the
+    L2 weight prefetch ahead of it; so do the fused router (routing + alignment in the finishing
+    program, the shared expert's gate_up tiles) and q/k norm + RoPE with the KV-cache write."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert "COMPILED" in out.stdout, out.stderr[-3000:]
+    assert out.stdout.count("ROUTER") == 2 and "ROPE_KV" in out.stdout
+    for line in out.stdout.splitlines():
+        if line.startswith("VARIANT"):
+            parts = line.split()
+            assert int(parts[parts.index("v4loads") + 1]) > 0, line
+            pro, epi = parts[1], parts[2]
+            pdl = parts[-1] == "True"
+            assert pdl == (pro in ("2", "3")), line
+
+
+# ---- fused router ------------------------------------------------------------------------------------
+
+from linrnn_kernels.moe import naive as moe_naive  # noqa: E402
+from linrnn_kernels.moe import router_fused  # noqa: E402
+
+
+@pytest.mark.parametrize("M,E,top_k,extra,block_m,cfg", [
+    (1, 24, 4, 1, 16, gcfg.SkinnyConfig(16, 32, 2)),
+    (5, 24, 4, 1, 4, gcfg.SkinnyConfig(16, 64, 1)),
+    (9, 40, 3, 0, 16, gcfg.SkinnyConfig(16, 32, 3, use_dot=True)),
+    (32, 16, 8, 1, 16, gcfg.SkinnyConfig(16, 64, 2, use_dot=True)),
+])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_router_matches_composition(poison_empty, M, E, top_k, extra, block_m, cfg, renormalize):
+    """Logits within bf16 rounding of the f32 reference; routing and alignment exactly those of the naive
+    ops on the kernel's own logits (near-ties may legitimately flip with one ulp of the logits)."""
+    dtype, K = torch.bfloat16, 96
+    x = torch.randn(M, K, device=DEV).to(dtype)
+    gw = _weight(E + extra, K, "dense", dtype)
+    shared = _weight(2 * 24, K, "dense", dtype) if extra else None
+    logits, tw, ids, (sorted_ids, expert_ids, num_padded), h = router_fused.route_align(
+        x, gw, E, top_k, renormalize, block_m, cfg, shared_w13=shared)
+    if shared is None:
+        assert h is None
+    else:  # the shared expert's gate_up tiles of the same launch
+        assert rel_fro(h, router_fused.naive_shared_gate_up(x, shared)) <= 2e-2
+    ref_logits = router_fused.naive_route_align(x, gw, E, top_k, renormalize, block_m)[0]
+    assert rel_fro(logits, ref_logits) <= 1e-2
+    rw, rids = moe_naive.route(logits[:, :E], top_k, renormalize)
+    # bf16 logits tie often; torch.topk orders ties arbitrarily, the kernel by lowest expert index
+    p = torch.softmax(logits[:, :E].float(), -1)
+    assert torch.equal(p.gather(1, ids.long()), p.gather(1, rids))
+    same = p.gather(1, ids.long())[:, 1:] == p.gather(1, ids.long())[:, :-1]
+    assert (ids[:, 1:] > ids[:, :-1])[same].all()
+    rids = ids.long()
+    # one bf16 ulp: the CPU interpreter's f32 -> bf16 cast truncates where torch rounds to nearest
+    exact = DEV == "cuda"
+    assert torch.allclose(tw.float(), rw.to(dtype).float(), rtol=0 if exact else 2 ** -7, atol=0)
+    r_sorted, r_expert, r_n = moe_naive.moe_align_block_size(rids, E, block_m)
+    assert int(num_padded) == r_n
+    assert torch.equal(sorted_ids[:r_n], r_sorted)
+    assert torch.equal(expert_ids[: r_n // block_m], r_expert)
+    assert (expert_ids[r_n // block_m:] == -1).all()
+    assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
+
+
+def test_fused_router_rejects_bad_inputs():
+    x = torch.randn(2, 32, device=DEV).to(torch.bfloat16)
+    cfg = gcfg.SkinnyConfig(16, 32, 1)
+    with pytest.raises(ValueError, match="top_k"):
+        router_fused.route_align(x, _weight(8, 32, "dense", torch.bfloat16), 8, 9, True, 16, cfg)
+    with pytest.raises(ValueError, match="never quantized"):
+        router_fused.route_align(x, _weight(8, 32, "fp8", torch.bfloat16), 8, 2, True, 16, cfg)
+    with pytest.raises(ValueError, match="does not fit"):
+        router_fused.route_align(x, _weight(8, 16, "dense", torch.bfloat16), 8, 2, True, 16, cfg)
+
+
+# ---- GPU: Qwen3.5-35B-A3B shapes -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 8, 32])
+@pytest.mark.parametrize("shape", ["in_proj", "out_proj", "shared", "fp8"])
+def test_gpu_full_shapes(poison_empty, M, shape):
+    """Default configs at the model's widths, every fused option the layers use; tickets left at 0."""
+    dtype, H = torch.bfloat16, 2048
+    dev = torch.device("cuda")
+    x = torch.randn(M, H if shape != "out_proj" else 4096, device=DEV).to(dtype)
+    res, nw = torch.randn(M, H, device=DEV).to(dtype), (0.1 * torch.randn(H, device=DEV)).to(dtype)
+    if shape == "in_proj":
+        w, kw = _weight(12352, H, "dense", dtype), {}
+    elif shape == "fp8":
+        w, kw = _weight(4096, H, "fp8", dtype), {}
+    elif shape == "out_proj":
+        z = torch.randn(M, 4096 + 64, device=DEV).to(dtype)[:, 64:]
+        w = _weight(H, 4096, "dense", dtype)
+        kw = dict(prologue_kind="gated_norm", gate=z, pro_w=(1 + 0.1 * torch.randn(128, device=DEV)).to(dtype),
+                  head=128, residual=res, norm_w=nw)
+    else:
+        w13 = _weight(1024, H, "dense", dtype)
+        h = naive.skinny_linear(x, w13, epilogue="silu_mul")
+        cfg = gcfg.skinny_config(M, 512, H, "dense", dev)
+        assert rel_fro(skinny.skinny_linear(x, w13, cfg, epilogue="silu_mul"), h) <= 2e-2
+        x, w = h, _weight(H, 512, "dense", dtype)
+        logits = torch.randn(M, 257, device=DEV).to(dtype)
+        kw = dict(epilogue="gate_add", addend=torch.randn(M, H, device=DEV).to(dtype), gate_logit=logits[:, 256:],
+                  residual=res, norm_w=nw)
+    cfg = gcfg.skinny_config(M, w.out_features, x.shape[1], w.fmt, dev, kw.get("head", 0))
+    out = skinny.skinny_linear(x, w, cfg, **kw)
+    ref = naive.skinny_linear(x, w, **kw)
+    for a, b in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
+        assert rel_fro(a, b) <= 2e-2
+    assert not skinny.tickets(dev).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 32])
+def test_gpu_router_full_shape(poison_empty, M):
+    dtype, H, E = torch.bfloat16, 2048, 256
+    x = torch.randn(M, H, device=DEV).to(dtype)
+    gw = _weight(E + 1, H, "dense", dtype)
+    cfg = gcfg.skinny_config(M, E + 1, H, "dense", torch.device("cuda"))
+    shared = _weight(1024, H, "dense", dtype)
+    logits, tw, ids, (sorted_ids, expert_ids, num_padded), h = router_fused.route_align(
+        x, gw, E, 8, True, 16, cfg, shared_w13=shared)
+    assert rel_fro(h, router_fused.naive_shared_gate_up(x, shared)) <= 2e-2
+    ref = router_fused.naive_route_align(x, gw, E, 8, True, 16)[0]
+    assert rel_fro(logits, ref) <= 1e-2
+    rw, rids = moe_naive.route(logits[:, :E], 8, True)
+    p = torch.softmax(logits[:, :E].float(), -1)
+    assert torch.equal(p.gather(1, ids.long()), p.gather(1, rids))
+    assert torch.equal(tw, rw.to(dtype))
+    r_sorted, r_expert, r_n = moe_naive.moe_align_block_size(ids.long(), E, 16)
+    assert int(num_padded) == r_n and torch.equal(sorted_ids[:r_n], r_sorted)
+    assert torch.equal(expert_ids[: r_n // 16], r_expert) and (expert_ids[r_n // 16:] == -1).all()
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_is_bit_identical():
+    """Captured and replayed (twice) == eager, byte for byte: split-K tickets reset inside the graph."""
+    dtype, H = torch.bfloat16, 2048
+    x = torch.randn(4, 4096, device=DEV).to(dtype)
+    w = _weight(H, 4096, "dense", dtype)
+    cfg = gcfg.SkinnyConfig(16, 128, 8, use_dot=False)
+    nw = (0.1 * torch.randn(H, device=DEV)).to(dtype)
+    eager = skinny.skinny_linear(x, w, cfg, norm_w=nw)
+    out = []
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        skinny.skinny_linear(x, w, cfg, norm_w=nw)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = skinny.skinny_linear(x, w, cfg, norm_w=nw)
+    for _ in range(2):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
