@@ -4,7 +4,7 @@
     cli.py           `linrnn-serve serve`: add_arguments(parser), run(args)
     protocol.py      pydantic request / response models (OpenAI field names, vLLM extras)
     serving.py       what the generation routes share: parsing, checks, Generation (submit, merge, abort)
-    engine_client.py the thin adapter over AsyncLLMEngine's public API
+    engine_client.py the thin adapter over the engine client (AsyncMPClient: the core in its own process)
     rendering.py     chat template rendering and SSE frames
     errors.py        OpenAI error objects; engine / validation exceptions -> HTTP status
     auth.py          --api-key check (constant time)

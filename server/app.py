@@ -3,7 +3,8 @@
     app = build_app(engine, served_model_names=["my-model"], api_key="secret")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-`engine` is an AsyncLLMEngine (or anything with its interface: generate / abort / tokenizer /
+`engine` is an AsyncMPClient (the engine core in its own process, what `linrnn-serve` uses), an
+in-process AsyncLLMEngine, or anything with their interface (generate / abort / tokenizer /
 stats / shutdown). On shutdown (uvicorn's SIGINT/SIGTERM handling) the app lets in-flight requests
 finish for up to `shutdown_timeout` seconds, then aborts the rest and stops the engine.
 """

@@ -123,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         from linrnn_serve.engine.async_engine import AsyncLLMEngine
 
+        # in process for now: the core-process client (engine/core_client.py, AsyncMPClient) does not yet
+        # carry the request extras (structured output, bad_words, truncation) across the process boundary
         engine = AsyncLLMEngine.from_config(config)
     except KeyboardInterrupt:
         sock.close()

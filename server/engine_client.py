@@ -1,4 +1,5 @@
-"""The server's thin adapter over the engine's public API (AsyncLLMEngine): generation streams that
+"""The server's thin adapter over the engine's client API (AsyncMPClient, or the in-process
+AsyncLLMEngine): generation streams that
 abort their request however they end early, tokenizer helpers, model facts and a stats snapshot.
 
 Routes never touch the engine directly; everything the server needs from it goes through here, so
@@ -126,7 +127,7 @@ class EngineClient:
     def healthy(self) -> tuple[bool, str]:
         if _get(self.engine, "is_running", default=True):
             return True, ""
-        return False, "the engine loop has stopped or is shutting down"
+        return False, "the engine core has stopped or is shutting down"
 
     def stats(self) -> dict[str, Any] | None:
         """The engine's stats() snapshot (a dict of numbers, per-label counts and histograms)."""

@@ -1,16 +1,22 @@
-"""Step loop, async bridge (per-request queues), tokenizer ownership, abort. Knows no HTTP.
+"""Engine core (step loop, its process and client), executor seam, tokenizer, abort. Knows no HTTP.
 
     LLMEngine        engine/llm_engine.py   add_request / step / abort / has_unfinished_requests
-    AsyncLLMEngine   engine/async_engine.py generate(...) -> async iterator, abort, stats, shutdown
+    Executor         engine/executor.py     the core's handle on its workers (runner/worker.py), one per device
+    EngineCore       engine/core.py         per-step deltas; the core process's main (run_engine_core)
+    AsyncMPClient    engine/core_client.py  the server's client of the core process: generate / abort / stats
+    protocol         engine/protocol.py     msgspec messages between core and client
+    AsyncLLMEngine   engine/async_engine.py in-process alternative: the step loop in a background thread
     Tokenizer        engine/tokenizer.py    encode / decode / chat template / incremental detokenizer
-    outputs          engine/outputs.py      RequestOutput, CompletionOutput, EngineFullError, PromptTooLongError
+    outputs          engine/outputs.py      RequestOutput, CompletionOutput, EngineFullError, PromptTooLongError,
+                                            EngineDeadError
 """
 from __future__ import annotations
 
 _LAZY = {
     "LLMEngine": "linrnn_serve.engine.llm_engine",
     "AsyncLLMEngine": "linrnn_serve.engine.async_engine",
-    "EngineDeadError": "linrnn_serve.engine.async_engine",
+    "EngineDeadError": "linrnn_serve.engine.outputs",
+    "AsyncMPClient": "linrnn_serve.engine.core_client",
     "Tokenizer": "linrnn_serve.engine.tokenizer",
 }
 

@@ -24,14 +24,10 @@ from typing import AsyncIterator
 
 from linrnn_serve.config import EngineConfig
 from linrnn_serve.engine.llm_engine import LLMEngine
-from linrnn_serve.engine.outputs import EngineFullError, RequestOutput
+from linrnn_serve.engine.outputs import EngineDeadError, EngineFullError, RequestOutput
 from linrnn_serve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shutdown or an internal error); no more requests are served."""
 
 
 class _Stream:

@@ -19,8 +19,10 @@ worker: load_model -> determine_budget -> (executor agrees on one budget: the mi
     MultiprocExecutor tensor / expert parallel (engine/multiproc_executor.py): rank 0 in process,
                       one Worker process per further GPU (or CPU rank); every rank gets the same
                       StepPlan, rank 0 returns the StepResult. Chosen when
-                      config.tensor_parallel_size > 1 (or `Executor.create(..., kind=name)` for any
-                      kind added with `register_executor(name, cls)`).
+                      config.tensor_parallel_size > 1.
+    other kinds       `register_executor(name, cls)` then `EngineConfig.executor = name`, or
+                      `EngineConfig.executor = "package.module:Class"` (e.g. the host-overhead
+                      benchmark's stubbed forward, benchmarks/host_overhead.py).
 """
 from __future__ import annotations
 
@@ -50,15 +52,23 @@ class Executor(abc.ABC):
                dtype: torch.dtype, max_model_len: int, calibration_tokens: list[int] | None = None,
                progress: bool = True, kind: str | None = None) -> "Executor":
         if kind is None:
-            kind = "multiproc" if config.tensor_parallel_size > 1 else "uniproc"
+            kind = config.executor
+            if kind == "uniproc" and config.tensor_parallel_size > 1:
+                kind = "multiproc"
         if kind == "multiproc" and kind not in _EXECUTORS:
             from linrnn_serve.engine.multiproc_executor import MultiprocExecutor
 
             register_executor("multiproc", MultiprocExecutor)
-        try:
+        if kind in _EXECUTORS:
             cls = _EXECUTORS[kind]
-        except KeyError:
-            raise ValueError(f"unknown executor {kind!r} (known: {', '.join(sorted(_EXECUTORS))})") from None
+        elif ":" in kind:  # "package.module:Class"
+            import importlib
+
+            mod, _, name = kind.partition(":")
+            cls = getattr(importlib.import_module(mod), name)
+        else:
+            raise ValueError(f"unknown executor {kind!r} (known: {', '.join(sorted(_EXECUTORS))}, or "
+                             f"'package.module:Class')")
         return cls(config, model_config, model_dir, device, dtype, max_model_len, calibration_tokens, progress)
 
     @abc.abstractmethod

@@ -114,8 +114,10 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.block_size),
             SlotAllocator(self.budget.num_state_slots), blocks, eos,
-            (lambda ids, p: self.tokenizer.detokenizer(ids, p)) if self.tokenizer else None,
+            self._detokenizer if self.tokenizer else None,
             prefix_cache=self.prefix_cache)
+        # False in the engine-core process: the client detokenizes, the core only where stop strings need text
+        self.detokenize_all = True
         self._rng = random.Random(config.seed)
         self.metrics = EngineMetrics()
         self._finished_aborts: list[RequestOutput] = []
@@ -137,6 +139,11 @@ class LLMEngine:
                  f"on ({d['num_graphs']} captured in {d['graph_capture_seconds']:.1f} s, "
                  f"{d['graph_capture_bytes'] / 2**30:.2f} GiB)" if d["cuda_graphs"] else "off",
                  time.perf_counter() - t_start)
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        if self.detokenize_all or params.stop:
+            return self.tokenizer.detokenizer(prompt_ids, params)
+        return None
 
     # in-process worker internals, for tests and benchmarks only (UniProcExecutor)
     @property
@@ -264,13 +271,16 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request; returns its final output (finish_reason 'abort'), None if unknown/finished."""
+        req = self.abort_request(request_id)
+        return None if req is None else self._output(req)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a request; returns it (finished, finish_reason 'abort'), None if unknown/finished."""
         req = self.scheduler.abort_request(request_id)
-        if req is None:
-            return None
-        for s in req.seqs:
-            self.structured.remove(s.seq_id)
-        self._observe_finish(req, time.monotonic())
-        return self._output(req)
+                if constrained:
+                    for s in req.seqs:
+                        self.structured.remove(s.seq_id)
+        return reqs
 
     def check_health(self) -> None:
         """Raise if a worker is gone (tensor-parallel worker processes; in-process workers cannot be)."""
@@ -285,6 +295,11 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step; a cumulative RequestOutput per request with new output."""
+        return [self._output(req) for req in self.step_requests()]
+
+    def step_requests(self) -> list[Request]:
+        """One engine step; the requests with new output (finished ones included)."""
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
@@ -301,15 +316,13 @@ class LLMEngine:
                 self.structured.accept(sid, tok.token_id)
         reqs = self.scheduler.postprocess(plan, result, now)
         self.num_steps += 1
-        outs = []
         for req in reqs:
             if req.finished:
                 self._observe_finish(req, now)
                 if constrained:
                     for s in req.seqs:
                         self.structured.remove(s.seq_id)
-            outs.append(self._output(req))
-        return outs
+        return reqs
 
     def _observe_finish(self, req: Request, now: float) -> None:
         m = self.metrics

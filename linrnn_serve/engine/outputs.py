@@ -41,3 +41,8 @@ class EngineFullError(RuntimeError):
 
 class PromptTooLongError(ValueError):
     """Prompt plus max_tokens cannot fit the model's context (HTTP 400)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop or core process stopped (shutdown, an internal error, killed): no more requests
+    are served (HTTP 503)."""

@@ -1,0 +1,197 @@
+"""The engine core: the scheduler + executor step loop, emitting per-step deltas.
+
+    EngineCore(engine)          wraps an LLMEngine (scheduler + Executor); add / abort / step -> deltas
+    run_engine_core(...)        the core process's main: ZeroMQ in (AddRequest / AbortRequest /
+                                Shutdown), one StepOutputs message out per step (engine/protocol.py)
+
+Process layout (one core per node):
+
+    API server process                          engine core process (this module)
+    ------------------                          ---------------------------------
+    HTTP, chat templates, tokenize,   --add-->  scheduler -> Executor -> Worker(s) (one per GPU;
+    detokenize (engine/core_client.py) <-step-- runner/worker.py; engine/executor.py is the seam)
+
+The core never detokenizes except for requests with stop strings (finish detection needs text).
+It imports nothing of the server; the server imports nothing of it but the spawn target.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+
+from linrnn_serve.engine.protocol import (
+    STATS_INTERVAL_S, AbortRequest, AddRequest, ErrorInfo, RequestDelta, SeqDelta, Shutdown, StepOutputs,
+    client_decoder, encoder,
+)
+
+log = logging.getLogger(__name__)
+
+
+def error_info(e: BaseException) -> ErrorInfo:
+    return ErrorInfo(type(e).__name__, str(e), getattr(e, "param", None))
+
+
+class EngineCore:
+    """Per-step deltas over an LLMEngine: each sequence's tokens are sent once."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._sent: dict[str, list[int]] = {}  # request id -> tokens sent per sample
+        self._plp_sent: dict[str, int] = {}  # request id -> prompt-logprob entries sent
+
+    def add(self, msg: AddRequest) -> RequestDelta | None:
+        """Queue a request; a delta carrying the error when it is refused."""
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt if msg.prompt is not None else msg.prompt_token_ids,
+                                    msg.params, arrival_time=msg.arrival_time,
+                                    prompt_token_ids=msg.prompt_token_ids)
+        except Exception as e:  # a refusal the client turns back into the same exception type
+            return RequestDelta(msg.request_id, [], finished=True, error=error_info(e))
+        self._sent[msg.request_id] = [0] * msg.params.n
+        self._plp_sent[msg.request_id] = 1  # entry 0 (None) is implied
+        return None
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        req = self.engine.abort_request(request_id)
+        return None if req is None else self.delta(req)
+
+    def step(self) -> list[RequestDelta]:
+        return [self.delta(req) for req in self.engine.step_requests()]
+
+    def delta(self, req) -> RequestDelta:
+        rid = req.request_id
+        sent = self._sent.get(rid)
+        if sent is None:
+            sent = self._sent[rid] = [0] * len(req.seqs)
+        seqs = []
+        for s, k in zip(req.seqs, sent):
+            n = s.num_output
+            if n == k and s.finish_reason is None:
+                continue
+            cut = None
+            if isinstance(s.stop_reason, str):
+                cut = len(s.text)
+            seqs.append(SeqDelta(s.index, s.token_ids[s.prompt_len + k:],
+                                 s.logprobs[k:] if s.logprobs is not None else None,
+                                 s.finish_reason, s.stop_reason, cut))
+            sent[s.index] = n
+        plp = None
+        if req.prompt_logprobs is not None:
+            k = self._plp_sent.get(rid, 1)
+            if len(req.prompt_logprobs) > k:
+                plp = req.prompt_logprobs[k:]
+                self._plp_sent[rid] = len(req.prompt_logprobs)
+        finished = req.finished
+        if finished:
+            self._sent.pop(rid, None)
+            self._plp_sent.pop(rid, None)
+        return RequestDelta(rid, seqs, finished, plp, req.first_token_time, req.finished_time)
+
+
+def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = logging.INFO,
+                    idle_integrity_check: bool = True) -> None:
+    """Main of the engine-core process: build the engine, say ready, then loop until Shutdown, the
+    parent's death, or an error (reported to the client as StepOutputs.dead before exiting)."""
+    import zmq
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(input_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(output_addr)
+    parent = os.getppid()
+    try:
+        from linrnn_serve.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config, progress=False)
+    except BaseException as e:  # noqa: BLE001 -- the client raises it as a start-up error
+        push.send(pickle.dumps({"error": error_info(e)}))
+        push.close()
+        ctx.term()
+        return
+    engine.detokenize_all = False
+    tok = engine.tokenizer
+    push.send(pickle.dumps({
+        "model_name": engine.model_name, "model_config": engine.model_config, "config": engine.config,
+        "max_model_len": engine.max_model_len, "tokenizer_dir": getattr(tok, "path", None) if tok else None,
+        "eos_token_ids": engine.eos_token_ids, "kv_capacity_tokens": engine.scheduler.kv_capacity_tokens,
+        "describe": engine.describe(), "pid": os.getpid()}))
+    core = EngineCore(engine)
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    next_stats = 0.0
+    checked_idle = True
+    stop = False
+    try:
+        while not stop:
+            busy = engine.has_unfinished_requests()
+            deltas: list[RequestDelta] = []
+            if poller.poll(0 if busy else 100):
+                while True:
+                    try:
+                        msg = client_decoder.decode(pull.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if isinstance(msg, AddRequest):
+                        d = core.add(msg)
+                    elif isinstance(msg, AbortRequest):
+                        d = core.abort(msg.request_id)
+                    elif isinstance(msg, Shutdown):
+                        stop = True
+                        d = None
+                        for rid in list(engine.scheduler.requests):
+                            a = core.abort(rid)
+                            if a is not None:
+                                deltas.append(a)
+                    if d is not None:
+                        deltas.append(d)
+            if not stop and engine.has_unfinished_requests():
+                checked_idle = False
+                deltas += core.step()
+            elif not checked_idle:
+                checked_idle = True
+                if idle_integrity_check:
+                    try:
+                        engine.check_integrity()
+                    except RuntimeError:  # a bookkeeping bug: loud, but keep serving
+                        log.exception("idle integrity check failed")
+            now = time.monotonic()
+            stats = None
+            if now >= next_stats:
+                stats = engine.stats()
+                next_stats = now + STATS_INTERVAL_S
+            if deltas or stats is not None:
+                push.send(encoder.encode(StepOutputs(deltas, stats)))
+            if os.getppid() != parent:  # nobody reads our outputs any more
+                log.warning("the API server process is gone; the engine core exits")
+                break
+    except BaseException as e:  # noqa: BLE001 -- every waiting client must hear about it
+        log.exception("engine core loop failed")
+        try:
+            push.send(encoder.encode(StepOutputs([], None, error_info(e))))
+        except Exception:  # pragma: no cover
+            pass
+        raise
+    finally:
+        push.close()
+        pull.close(linger=0)
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m linrnn_serve.engine.core IN_ADDR OUT_ADDR CONFIG_PICKLE LOG_LEVEL INTEGRITY` (core_client.py
+    starts it; a fresh interpreter, so nothing of the server process is inherited or re-imported)."""
+    import sys
+
+    a = sys.argv[1:] if argv is None else argv
+    with open(a[2], "rb") as f:
+        config = pickle.load(f)
+    run_engine_core(config, a[0], a[1], int(a[3]), a[4] == "1")
+
+
+if __name__ == "__main__":
+    main()

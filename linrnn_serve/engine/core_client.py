@@ -1,0 +1,397 @@
+"""AsyncMPClient: the API server's handle on an engine core running in its own process.
+
+    client = AsyncMPClient(EngineConfig(model="default"))   # spawns the core, waits until it is ready
+    async for out in client.generate(prompt_ids, params, request_id):   # cumulative RequestOutputs
+        ...
+    await client.abort(request_id); client.stats(); client.is_running; await client.shutdown()
+
+Same surface as the in-process AsyncLLMEngine (generate / abort / stats / tokenizer / shutdown), so the
+server does not care which one it gets. Over ZeroMQ (ipc) with msgspec messages (engine/protocol.py):
+requests go in, one StepOutputs message per engine step comes back.
+
+This process (the API server's) never imports torch, the runner or the caches. It detokenizes:
+a receiver thread decodes each step's message, appends every request's new tokens to its state and
+runs its incremental detokenizer, then wakes the waiting consumers with one event-loop callback per
+step. A consumer reads the newest cumulative output only (a slow consumer skips intermediate ones).
+
+If the core process dies (killed, crashed, failed step) a watchdog thread sees its exit at once
+(the process sentinel): every open stream ends with EngineDeadError (HTTP 503), new requests are
+refused with it, and `is_running` turns False (so /health answers 503).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import AsyncIterator
+
+import zmq
+
+from linrnn_serve.config import EngineConfig
+from linrnn_serve.engine.outputs import (CompletionOutput, EngineDeadError, EngineFullError, PromptTooLongError,
+                                         RequestOutput)
+from linrnn_serve.engine.protocol import (AbortRequest, AddRequest, ErrorInfo, RequestDelta, Shutdown,
+                                          encoder, outputs_decoder)
+from linrnn_serve.engine.tokenizer import Tokenizer
+from linrnn_serve.sampling_params import SamplingParamError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {"EngineFullError": EngineFullError, "PromptTooLongError": PromptTooLongError,
+           "EngineDeadError": EngineDeadError, "ValueError": ValueError}
+
+
+def rebuild_error(info: ErrorInfo) -> BaseException:
+    """The core's exception as the same type here (unknown types: RuntimeError)."""
+    if info.kind == "SamplingParamError":
+        return SamplingParamError(info.param, info.message)
+    return _ERRORS.get(info.kind, RuntimeError)(info.message)
+
+
+def visible_text(text: str, params: SamplingParams, finished: bool) -> str:
+    """While running, hold back a possible stop-string prefix (vLLM's rule)."""
+    if finished or not params.stop or params.include_stop_str_in_output:
+        return text
+    hold = max(len(s) for s in params.stop) - 1
+    return text[: max(0, len(text) - hold)]
+
+
+class _Seq:
+    __slots__ = ("token_ids", "logprobs", "detok", "text", "finish_reason", "stop_reason")
+
+    def __init__(self, detok, logprobs: bool):
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if logprobs else None
+        self.detok, self.text = detok, ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+
+class _RequestState:
+    """One request's cumulative output, built from the core's deltas (updated on the receiver thread,
+    read on the consumer's event loop; `lock` guards the pair)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, prompt: str | None, prompt_ids: list[int],
+                 params: SamplingParams, arrival_time: float, tokenizer: Tokenizer | None):
+        self.loop, self.request_id, self.prompt, self.prompt_ids = loop, request_id, prompt, prompt_ids
+        self.params, self.arrival_time = params, arrival_time
+        self.seqs = [_Seq(tokenizer.detokenizer(prompt_ids, params) if tokenizer else None, params.logprobs is not None)
+                     for _ in range(params.n)]
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self.finished = False
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.error: BaseException | None = None
+        self.event = asyncio.Event()
+        self.dirty = False
+        self.lock = threading.Lock()
+
+    def apply(self, d: RequestDelta) -> None:
+        with self.lock:
+            if self.finished:
+                return
+            if d.error is not None:
+                self.error = rebuild_error(d.error)
+            for sd in d.seqs:
+                s = self.seqs[sd.index]
+                s.token_ids += sd.token_ids
+                if s.logprobs is not None and sd.logprobs is not None:
+                    s.logprobs += sd.logprobs
+                if s.detok is not None:
+                    stop_on_token = sd.finish_reason == "stop" and sd.stop_reason is not None and \
+                        not isinstance(sd.stop_reason, str)
+                    eos = sd.finish_reason == "stop" and sd.stop_reason is None and sd.token_ids
+                    toks = sd.token_ids
+                    if (stop_on_token or eos) and not self.params.include_stop_str_in_output:
+                        toks = toks[:-1]  # the stop token's text is not part of the output (as the scheduler)
+                    for t in toks:
+                        s.text += s.detok.update(t)
+                    if sd.text_len is not None:  # stopped by a stop string: cut where the core cut
+                        s.text = s.text[:sd.text_len]
+                    elif sd.finish_reason is not None:  # a held-back partial character shows as U+FFFD
+                        flush = getattr(s.detok, "flush", None)
+                        if flush is not None and s.token_ids:
+                            s.text += flush()
+                s.finish_reason, s.stop_reason = sd.finish_reason, sd.stop_reason
+            if d.prompt_logprobs and self.prompt_logprobs is not None:
+                self.prompt_logprobs += d.prompt_logprobs
+            if d.first_token_time is not None:
+                self.first_token_time = d.first_token_time
+            if d.finished:
+                self.finished = True
+                self.finished_time = d.finished_time or time.monotonic()
+            self.dirty = True
+
+    def fail(self, e: BaseException) -> None:
+        with self.lock:
+            if not self.finished and self.error is None:
+                self.error = e
+                self.dirty = True
+
+    def output(self) -> RequestOutput | BaseException:
+        with self.lock:
+            self.dirty = False
+            if self.error is not None:
+                return self.error
+            outs = [CompletionOutput(i, visible_text(s.text, self.params, s.finish_reason is not None),
+                                     list(s.token_ids), list(s.logprobs) if s.logprobs is not None else None,
+                                     s.finish_reason, s.stop_reason) for i, s in enumerate(self.seqs)]
+            return RequestOutput(
+                self.request_id, self.prompt, self.prompt_ids, outs, self.finished,
+                prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+                metrics={"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
+                         "finished_time": self.finished_time})
+
+
+def _wake(states: list[_RequestState]) -> None:  # on the consumers' event loop
+    for st in states:
+        st.event.set()
+
+
+class AsyncMPClient:
+    def __init__(self, config: EngineConfig, log_level: int | None = None, idle_integrity_check: bool = True):
+        self._sockdir = tempfile.mkdtemp(prefix="linrnn-core-")
+        in_addr, out_addr = f"ipc://{self._sockdir}/in", f"ipc://{self._sockdir}/out"
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(in_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(out_addr)
+        self._send_lock = threading.Lock()
+        self._states: dict[str, _RequestState] = {}
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._stats: dict = {}
+        self._last_recv = 0.0
+        self._ids = itertools.count()
+        level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
+        cfg_path = os.path.join(self._sockdir, "config.pkl")
+        with open(cfg_path, "wb") as f:
+            pickle.dump(config, f)
+        # a fresh interpreter (not multiprocessing): nothing of this process is inherited or re-imported
+        # its own session: a terminal's Ctrl-C reaches only this process, which then shuts the core down
+        # gracefully (in-flight requests may finish); the core exits by itself if this process dies
+        self.proc = subprocess.Popen([sys.executable, "-m", "linrnn_serve.engine.core", in_addr, out_addr, cfg_path,
+                                      str(level), "1" if idle_integrity_check else "0"], start_new_session=True)
+        facts = self._handshake()
+        self.config: EngineConfig = facts["config"]
+        self.model_config = facts["model_config"]
+        self.model_name: str = facts["model_name"]
+        self.max_model_len: int = facts["max_model_len"]
+        self.eos_token_ids: list[int] = facts["eos_token_ids"]
+        self.kv_capacity_tokens: int = facts["kv_capacity_tokens"]
+        self.core_description: dict = facts["describe"]
+        d = facts["tokenizer_dir"]
+        self.tokenizer = Tokenizer.from_dir(d, self.model_config.eos_token_id) if d else None
+        self._receiver = threading.Thread(target=self._receive, name="linrnn-core-receiver", daemon=True)
+        self._receiver.start()
+        self._watchdog = threading.Thread(target=self._watch, name="linrnn-core-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs) -> "AsyncMPClient":
+        return cls(config, **kwargs)
+
+    def _handshake(self) -> dict:
+        """Wait for the core's ready message (model loading may take minutes); its start-up error, if any."""
+        while True:
+            if self._pull.poll(200):
+                msg = pickle.loads(self._pull.recv())
+                if "error" in msg:
+                    self.proc.wait(10)
+                    self._close_sockets()
+                    e = rebuild_error(msg["error"])
+                    raise (e if isinstance(e, (ValueError, RuntimeError)) else RuntimeError(str(e)))
+                return msg
+            if self.proc.poll() is not None:
+                self._close_sockets()
+                raise RuntimeError(f"the engine core process exited during start-up (exit code "
+                                   f"{self.proc.returncode}); its log is above")
+
+    # ---- what the server reads ---------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and not self._stopping and self.proc.poll() is None
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        s["engine_running"] = self.is_running
+        return s
+
+    # ---- requests ------------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        if not self.is_running:
+            raise self._dead_error()
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        text, ids = self._tokenize(prompt)
+        st = _RequestState(asyncio.get_running_loop(), request_id, text, ids, params, time.monotonic(),
+                           self.tokenizer)
+        with self._lock:
+            if request_id in self._states:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._states[request_id] = st
+        finished = False
+        try:
+            if self._dead is not None:  # died between the check above and the registration
+                raise self._dead_error()
+            self._send(AddRequest(request_id, ids, params, st.arrival_time, text))
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                if not st.dirty:
+                    continue
+                out = st.output()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                if self._states.get(request_id) is st:
+                    del self._states[request_id]
+            if not finished and self._dead is None:
+                self._send(AbortRequest(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        if self._dead is None:
+            self._send(AbortRequest(request_id))
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _send(self, msg) -> None:
+        data = encoder.encode(msg)
+        with self._send_lock:
+            try:
+                self._push.send(data, zmq.NOBLOCK)
+            except zmq.Again:  # the core is not reading (dead or stuck): refuse rather than block
+                raise EngineDeadError("the engine core is not accepting requests") from None
+            except zmq.ZMQError as e:
+                raise EngineDeadError(f"the engine core channel is closed ({e})") from None
+
+    def _dead_error(self) -> EngineDeadError:
+        if self._dead is not None:
+            return EngineDeadError(str(self._dead))
+        return EngineDeadError("the engine is shutting down")
+
+    # ---- background threads --------------------------------------------------------------------
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while self._dead is None:
+            try:
+                if not poller.poll(100):
+                    continue
+                msg = outputs_decoder.decode(self._pull.recv())
+            except zmq.ZMQError:  # closed by shutdown
+                return
+            self._last_recv = time.monotonic()
+            if msg.stats is not None:
+                self._stats = msg.stats
+            by_loop: dict[asyncio.AbstractEventLoop, list[_RequestState]] = {}
+            for d in msg.deltas:
+                st = self._states.get(d.request_id)
+                if st is None:  # the consumer left (its abort is on the way)
+                    continue
+                st.apply(d)
+                by_loop.setdefault(st.loop, []).append(st)
+            for loop, states in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_wake, states)
+                except RuntimeError:  # the consumer's loop is closed
+                    pass
+            if msg.dead is not None:
+                self._on_death(f"the engine core failed: {msg.dead.kind}: {msg.dead.message}")
+                return
+
+    def _watch(self) -> None:
+        code = self.proc.wait()
+        if not self._stopping:
+            self._on_death(f"the engine core process exited (exit code {code})")
+
+    def _on_death(self, why: str, quiet: bool = False) -> None:
+        if self._dead is not None:
+            return
+        log.log(logging.INFO if quiet else logging.ERROR, "%s", why)
+        self._dead = EngineDeadError(why)
+        with self._lock:
+            states = list(self._states.values())
+        by_loop: dict[asyncio.AbstractEventLoop, list[_RequestState]] = {}
+        for st in states:
+            st.fail(EngineDeadError(why))
+            by_loop.setdefault(st.loop, []).append(st)
+        for loop, sts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake, sts)
+            except RuntimeError:
+                pass
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    async def shutdown(self, mode: str = "abort", timeout: float = 30.0) -> None:
+        """Refuse new requests; 'finish' lets in-flight requests run (up to timeout); then the core
+        aborts the rest (their streams end with finish_reason 'abort') and exits."""
+        if mode not in ("abort", "finish"):
+            raise ValueError(f"shutdown mode must be 'abort' or 'finish', got {mode!r}")
+        deadline = time.monotonic() + timeout
+        self._stopping = True
+        if mode == "finish":
+            while time.monotonic() < deadline and self._states and self._dead is None:
+                await asyncio.sleep(0.02)
+        await asyncio.to_thread(self.shutdown_sync, max(1.0, deadline - time.monotonic()))
+
+    def shutdown_sync(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        if self.proc.poll() is None and self._dead is None:
+            try:
+                self._send(Shutdown())
+            except EngineDeadError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        deadline = time.monotonic() + 1.0  # let the receiver hand over the core's last (abort) deltas
+        while self._dead is None and time.monotonic() < deadline and time.monotonic() - self._last_recv < 0.2:
+            time.sleep(0.02)
+        self._on_death("the engine was shut down", quiet=True)
+        self._receiver.join(2)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for s in (self._push, self._pull):
+            s.close(linger=0)
+        self._ctx.term()
+        for name in ("in", "out", "config.pkl"):
+            try:
+                os.unlink(os.path.join(self._sockdir, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(self._sockdir)
+        except OSError:
+            pass

@@ -1,0 +1,82 @@
+"""Messages between the engine core process and its clients (msgspec / msgpack over ZeroMQ).
+
+Client -> core (one PUSH socket, one message each):
+    AddRequest    a validated request: ids, SamplingParams, arrival time
+    AbortRequest  stop a request (its final delta comes back with finish_reason "abort")
+    Shutdown      abort everything and exit
+
+Core -> client (one PUSH socket, ONE message per engine step):
+    StepOutputs   the per-request deltas of that step (new token ids and logprobs per sample,
+                  finish reason), refusals of adds (`error`), and now and then a stats snapshot
+
+The core sends token ids only; the client detokenizes. Stop strings are the exception: deciding
+where a sequence ends needs text, so the core detokenizes requests that have stop strings and
+reports, for a sequence it stopped on one, `text_len`, the length of the cut text (the client's
+detokenizer produces the same text and cuts it there).
+
+Plain data only: no torch, importable by the HTTP server.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from linrnn_serve.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, array_like=True, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, array_like=True, tag="abort"):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
+    pass
+
+
+ClientMessage = AddRequest | AbortRequest | Shutdown
+
+
+class ErrorInfo(msgspec.Struct, array_like=True):
+    """An exception of the core, rebuilt as the same type on the client (engine/errors.py)."""
+
+    kind: str  # the exception class name
+    message: str
+    param: str | None = None
+
+
+class SeqDelta(msgspec.Struct, array_like=True):
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # tokens new since the last delta
+    logprobs: list[dict[int, float]] | None = None  # one entry per new token
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_len: int | None = None  # stopped by a stop string: keep this many characters of the text
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    seqs: list[SeqDelta]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # entries new since the last delta
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    error: ErrorInfo | None = None  # the add was refused (queue full, prompt too long, bad params)
+
+
+class StepOutputs(msgspec.Struct, array_like=True):
+    deltas: list[RequestDelta]
+    stats: dict | None = None  # LLMEngine.stats(), at most every STATS_INTERVAL_S
+    dead: ErrorInfo | None = None  # the core's loop failed; the process exits after this message
+
+
+STATS_INTERVAL_S = 0.25
+
+encoder = msgspec.msgpack.Encoder()
+client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+outputs_decoder = msgspec.msgpack.Decoder(StepOutputs)

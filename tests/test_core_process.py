@@ -1,0 +1,170 @@
+"""The engine core in its own process (engine/core.py) behind AsyncMPClient (engine/core_client.py):
+same outputs as the offline engine, refusals as typed errors, aborts, shutdown, and a killed core
+turning into 503s and an unhealthy /health within a second."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from engine_fixtures import make_tiny_model_dir
+from linrnn_serve.config import EngineConfig
+from linrnn_serve.engine.outputs import EngineDeadError, EngineFullError, PromptTooLongError
+from linrnn_serve.sampling_params import SamplingParamError, SamplingParams
+
+KW = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, block_size=8, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+def _client(model_dir, **kw):
+    from linrnn_serve.engine.core_client import AsyncMPClient
+
+    return AsyncMPClient(EngineConfig(model=model_dir, **{**KW, **kw}))
+
+
+async def _last(client, prompt, params, rid):
+    last = None
+    async for out in client.generate(prompt, params, rid):
+        last = out
+    return last
+
+
+CASES = [
+    SamplingParams(temperature=0, max_tokens=12),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, n=2, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=40, stop=["o", "é"]),
+    SamplingParams(temperature=0, max_tokens=40, stop=["e"], include_stop_str_in_output=True),
+    SamplingParams(temperature=1.0, seed=3, max_tokens=10, prompt_logprobs=1, min_tokens=4),
+]
+
+
+def test_matches_offline_engine_and_refuses_with_typed_errors(model_dir):
+    from linrnn_serve.llm import LLM
+
+    llm = LLM(model_dir, progress=False, **KW)
+    prompts = ["hello world", "héllo wörld, café", "The capital of France is", "你好，世界", "emoji 😀"]
+    want = llm.generate(prompts, CASES)
+    client = _client(model_dir)
+    try:
+        assert client.tokenizer is not None and client.max_model_len == 256
+
+        async def main():
+            got = await asyncio.gather(*(_last(client, p, c, f"r{i}")
+                                         for i, (p, c) in enumerate(zip(prompts, CASES))))
+            for g, w in zip(got, want):
+                assert g.finished and g.prompt_token_ids == w.prompt_token_ids
+                assert g.prompt_logprobs == w.prompt_logprobs
+                for a, b in zip(g.outputs, w.outputs):
+                    assert (a.token_ids, a.text, a.finish_reason, a.stop_reason, a.logprobs) == \
+                           (b.token_ids, b.text, b.finish_reason, b.stop_reason, b.logprobs)
+            with pytest.raises(PromptTooLongError):
+                await _last(client, list(range(1, 300)), SamplingParams(max_tokens=4), "long")
+            with pytest.raises(SamplingParamError):
+                await _last(client, [1, 2], SamplingParams(temperature=-1), "bad")
+            with pytest.raises(ValueError):
+                await _last(client, [10**6], SamplingParams(max_tokens=2), "oov")
+            # leaving early aborts; an explicit abort ends the stream with finish_reason "abort"
+            gen = client.generate([5, 6], SamplingParams(max_tokens=200, ignore_eos=True), "early")
+            await gen.__anext__()
+            await gen.aclose()
+            gen = client.generate([7, 8], SamplingParams(max_tokens=200, ignore_eos=True), "ab")
+            first = await gen.__anext__()
+            await client.abort("ab")
+            last = first
+            async for o in gen:
+                last = o
+            assert last.finished and last.outputs[0].finish_reason == "abort"
+            for _ in range(100):  # stats arrive every 0.25 s
+                s = client.stats()
+                if s.get("num_requests_running") == 0 and s.get("kv_cache_usage") == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert s["num_requests_running"] == 0 and s["kv_cache_usage"] == 0 and s["state_cache_usage"] == 0
+            # graceful shutdown: in-flight requests finish, later ones are refused
+            task = asyncio.ensure_future(_last(client, [1], SamplingParams(max_tokens=10, ignore_eos=True), "f"))
+            await asyncio.sleep(0.05)
+            await client.shutdown(mode="finish", timeout=30)
+            assert (await task).outputs[0].finish_reason == "length"
+            with pytest.raises(EngineDeadError):
+                await _last(client, [1], SamplingParams(max_tokens=2), "late")
+
+        asyncio.run(main())
+        assert client.proc.poll() == 0
+    finally:
+        client.shutdown_sync(timeout=5)
+
+
+def test_full_queue_refused(model_dir):
+    client = _client(model_dir, max_queue_len=1, max_num_seqs=1, max_num_batched_tokens=4)
+    try:
+        async def main():
+            p = SamplingParams(max_tokens=30, ignore_eos=True)
+            g1 = client.generate([1, 2, 3, 4, 5, 6, 7, 8], p, "a")
+            await g1.__anext__()  # a is running
+            g2 = client.generate([1, 2], p, "b")
+            t2 = asyncio.ensure_future(g2.__anext__())  # b waits (the only slot is a's)
+            await asyncio.sleep(0.2)
+            with pytest.raises(EngineFullError):
+                await client.generate([3], p, "c").__anext__()
+            await client.shutdown(mode="abort")
+            await t2
+            for g in (g1, g2):
+                async for _ in g:
+                    pass
+
+        asyncio.run(main())
+    finally:
+        client.shutdown_sync(timeout=5)
+
+
+def test_killed_core_gives_503_and_unhealthy_within_a_second(model_dir):
+    import httpx
+
+    from linrnn_server.app import build_app
+
+    client = _client(model_dir)
+    try:
+        app = build_app(client)
+
+        async def main():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                assert (await http.get("/health")).status_code == 200
+                body = {"model": client.model_name, "prompt": "hello", "max_tokens": 4}
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+                gen = client.generate([1, 2], SamplingParams(max_tokens=200, ignore_eos=True), "long")
+                await gen.__anext__()
+                os.kill(client.proc.pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                with pytest.raises(EngineDeadError):  # the open stream ends, it does not hang
+                    async for _ in gen:
+                        pass
+                while (await http.get("/health")).status_code != 503:
+                    assert time.monotonic() - t0 < 1.0, "/health still healthy a second after the core died"
+                    await asyncio.sleep(0.01)
+                r = await http.post("/v1/completions", json=body)
+                assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+                assert time.monotonic() - t0 < 1.0
+
+        asyncio.run(main())
+    finally:
+        client.shutdown_sync(timeout=5)
+
+
+def test_api_server_process_never_imports_torch():
+    """The server process (HTTP, tokenization, detokenization) leaves the model to the core process."""
+    import subprocess
+    import sys
+
+    code = ("import sys, linrnn_server.app, linrnn_server.cli, linrnn_serve.engine.core_client; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('linrnn_serve.runner', "
+            "'linrnn_serve.cache', 'linrnn_kernels'))]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
