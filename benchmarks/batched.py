@@ -23,7 +23,9 @@ Before timing, a warm-up round per batch size (npp prompt tokens, --warmup-steps
 CUDA graphs are captured for the npl values only (--graph-sizes all: the engine's buckets).
 --profile NPL[,NPL...] records a torch.profiler trace of --profile-steps decode steps at NPL sequences
 with the last configuration, after every timed row of the run (a profiler session may leave CUPTI
-attached and slow down what follows), and prints the top kernels by total time. Writes batched.{md,json,png} into --out.
+attached and slow down what follows), and prints the top kernels by total time; in the results table,
+rows at a profiled B get a host gap (timed ms/step minus the profile's kernel ms/step: the time per
+step the GPU waits for the host). Writes batched.{md,json,png} into --out.
 
     linrnn-serve bench batched --model qwen35moe-nvfp4 --load-format dummy \\
         --npp 128 --ntg 128 --npl 1,8,32,64,128 --ssm-bf16-tau inf,32 --vllm-ref --out benchmarks/results/batched
@@ -463,6 +465,7 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
                             f"{so['grammar_overhead_pct']:+.1f} % vs unconstrained")
         for npl in shape["profile"] if profile else []:
             res["profile"].append(profile_decode(eng, npl, npps[0], args.profile_steps, args.profile_top, args.seed))
+        add_host_gap(res)
     finally:
         model = eng.model if c.tp == 1 else None
         eng.shutdown()
@@ -471,16 +474,27 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
     return res, model
 
 
+def add_host_gap(res: dict) -> None:
+    """Host gap = timed wall ms/step - profiled kernel (device) ms/step at the same B: the time per step
+    the GPU waits for the host. Rows whose B was not profiled get none."""
+    busy = {p["B"]: p["busy_ms_per_step"] for p in res.get("profile") or [] if p["what"] == "kernel"}
+    for r in res["rows"]:
+        if r["B"] in busy:
+            r["kernel_ms"] = busy[r["B"]]
+            r["host_gap_ms"] = r["ms_per_step"] - busy[r["B"]]
+
+
 # ---- output -------------------------------------------------------------------------------------
 
 COLUMNS = ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "S t/s", "ms/step",
-           "floor ms/step", "% of floor"]
+           "host gap ms/step", "floor ms/step", "% of floor"]
 
 
 def row_cells(r: dict, peer: bool) -> list[str]:
     b = str(r["B"]) + ("" if r.get("complete", True) else " (incomplete)")
     cells = [str(r["PP"]), str(r["TG"]), b, str(r["N_KV"]), f"{r['T_PP']:.3f}", f"{r['S_PP']:.1f}",
              f"{r['T_TG']:.3f}", f"{r['S_TG']:.1f}", f"{r['S']:.1f}", f"{r['ms_per_step']:.3f}",
+             f"{r['host_gap_ms']:.3f}" if "host_gap_ms" in r else "-",
              f"{r['floor_ms']:.3f}", f"{r['pct_floor']:.1f}"]
     if peer:
         cells += [f"{r['vllm_S_TG']}" if r.get("vllm_S_TG") else "-",

@@ -96,6 +96,8 @@ class Sequence:
         self.last_token_time: float | None = None
         self.prefix_node = None  # prefix-cache node it restored from (locked while it runs)
         self.divergence_at: int | None = None  # depth whose state it snapshots (its chunk ends there)
+        self.sampling_row: SamplingRow | None = None  # reusable decode sampling row (Scheduler._sampling_row)
+        self.max_len: int | None = None  # prompt + output limit (Scheduler.max_len_for), set at add
 
     @property
     def priority(self) -> tuple[int, int]:
@@ -151,7 +153,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status is not SeqStatus.FINISHED:
+                return False
+        return True
 
     @property
     def prompt_len(self) -> int:
@@ -226,7 +231,9 @@ class Scheduler:
             raise ValueError(f"n={n} exceeds max_num_seqs={self.cfg.max_num_seqs}")
         req.arrival_order = next(self._arrivals)
         req.seqs = [Sequence(next(self._seq_ids), req, i, sample_seed(req.seed, i)) for i in range(n)]
+        max_len = self.max_len_for(req.prompt_len, req.params)
         for s in req.seqs:
+            s.max_len = max_len
             if self.detokenizer_factory is not None:
                 s.detok = self.detokenizer_factory(req.prompt_token_ids, req.params)
             self.seqs[s.seq_id] = s
@@ -402,6 +409,10 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, plan: StepPlan, scheduled: set[int]) -> bool:
         """Give `seq` the blocks for n more tokens, preempting lower-priority sequences if needed.
         False if `seq` itself had to be preempted."""
+        if n == 1:  # the decode case, every step for every row: one lookup unless a block boundary is crossed
+            j = seq.num_computed // self.cfg.block_size
+            if j < len(seq.blocks) and self.blocks.refcount(seq.blocks[j]) == 1:
+                return True
         while True:
             new, cow = self._block_need(seq, n)
             if new + len(cow) <= self.blocks.num_free:
@@ -492,7 +503,13 @@ class Scheduler:
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.group.params
-        u = 0.5 if p.temperature < 1e-5 else uniform_for(seq.seed, seq.num_output)  # greedy: unused
+        num_output = len(seq.token_ids) - seq.prompt_len
+        row = seq.sampling_row
+        if row is not None:  # no penalties, no bans: only the seeded uniform changes from step to step
+            if p.temperature >= 1e-5:
+                row.u = uniform_for(seq.seed, num_output)
+            return row
+        u = 0.5 if p.temperature < 1e-5 else uniform_for(seq.seed, num_output)  # greedy: unused
         row = SamplingRow(seq.seq_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                           u=u, presence_penalty=p.presence_penalty,
                           frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
@@ -502,7 +519,7 @@ class Scheduler:
             if row.repetition_penalty != 1.0:
                 row.prompt_token_ids = seq.group.prompt_token_ids
         banned: set[int] = set()
-        if seq.num_output < p.min_tokens:
+        if num_output < p.min_tokens:
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned |= self.eos_token_ids
@@ -513,6 +530,8 @@ class Scheduler:
                     banned.add(w[-1])
         if banned:
             row.banned_token_ids = sorted(banned)
+        elif not row.needs_logit_edits and not p.bad_words_token_ids and num_output >= p.min_tokens:
+            seq.sampling_row = row  # reused by later steps (the runner keeps no reference past a step)
         return row
 
     # ---- results --------------------------------------------------------------------------
@@ -592,7 +611,7 @@ class Scheduler:
                     seq.text = seq.text[:cut]
                 self._finish(seq, "stop", stop, flush_text=False)  # bytes after the stop string are dropped
                 return
-        if len(seq.token_ids) >= self.max_len_for(seq.prompt_len, p):
+        if len(seq.token_ids) >= seq.max_len:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, flush_text: bool = True) -> None:

@@ -8,7 +8,8 @@ generically, so a series the engine adds later shows up without a server change:
     other number                     -> gauge            {"buckets", "sum", "count"} -> histogram
 
 Names follow vLLM's with the prefix `linrnn:` (`kv_cache_usage` is shown as `kv_cache_usage_perc`,
-0-1, like vLLM's). The server adds what only it sees: requests refused with an HTTP error, by status.
+0-1, like vLLM's); beside them the same numbers are exported under vLLM's exact names (`vllm:`
+prefix, same histograms; `VLLM` below) through prometheus_client, so vLLM dashboards work. The server adds what only it sees: requests refused with an HTTP error, by status.
 The cache gauges double as the leak check of the tests: once every request has finished or been
 aborted, `linrnn:kv_cache_usage_perc` and `linrnn:state_cache_usage_perc` must be 0.
 """
@@ -93,16 +94,76 @@ def render_series(name: str, value: Any, base: dict[str, str]) -> list[str]:
     return []
 
 
+# vLLM's names for the same numbers (`vllm:` prefix, same bucket bounds), so vLLM dashboards work:
+# engine stats key -> (vLLM name, kind, help). Our inter-token histogram is a per-request mean, which
+# is vLLM's time_per_output_token_seconds (its inter_token_latency_seconds pools every gap: not ours).
+VLLM = {
+    "num_requests_running": ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
+    "num_requests_waiting": ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    "num_preemptions_total": ("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine."),
+    "prompt_tokens_total": ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
+    "generation_tokens_total": ("vllm:generation_tokens", "counter", "Number of generation tokens processed."),
+    "request_success_total": ("vllm:request_success", "counter", "Count of successfully processed requests."),
+    "time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", "histogram",
+                                    "Histogram of time to first token in seconds."),
+    "inter_token_latency_seconds": ("vllm:time_per_output_token_seconds", "histogram",
+                                    "Histogram of time per output token in seconds."),
+    "e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds", "histogram",
+                                    "Histogram of e2e request latency in seconds."),
+}
+
+
+class _VllmCollector:
+    """prometheus_client collector over the latest engine snapshot (set by ServerMetrics.render)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        for key, (name, kind, doc) in VLLM.items():
+            v = self.stats.get(key)
+            if v is None:
+                continue
+            if kind == "gauge" and _is_number(v):
+                m = GaugeMetricFamily(name, doc, labels=["model_name"])
+                m.add_metric([self.model_name], float(v))
+            elif kind == "counter" and isinstance(v, dict):
+                m = CounterMetricFamily(name, doc, labels=["model_name", "finished_reason"])
+                for reason, c in sorted(v.items()):
+                    m.add_metric([self.model_name, str(reason)], float(c))
+            elif kind == "counter" and _is_number(v):
+                m = CounterMetricFamily(name, doc, labels=["model_name"])
+                m.add_metric([self.model_name], float(v))
+            elif kind == "histogram" and isinstance(v, dict) and "buckets" in v:
+                m = HistogramMetricFamily(name, doc, labels=["model_name"])
+                m.add_metric([self.model_name], [(_num(le), float(c)) for le, c in v["buckets"]], float(v["sum"]))
+            else:
+                continue
+            yield m
+
+
 class ServerMetrics:
     """What /metrics shows beyond the engine's snapshot. Updated on the event loop thread only."""
 
     def __init__(self, model_name: str):
+        from prometheus_client import CollectorRegistry
+
         self.labels = {"model_name": model_name}
         self.refused: dict[str, int] = defaultdict(int)  # HTTP status -> requests refused
+        self._vllm = _VllmCollector(model_name)
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self._vllm)
 
     def render(self, engine_stats: dict[str, Any] | None) -> str:
+        from prometheus_client import generate_latest
+
         lines: list[str] = []
         for name, value in (engine_stats or {}).items():
             lines += render_series(name, value, self.labels)
         lines += render_series("request_refused_total", dict(self.refused), self.labels)
-        return "\n".join(lines) + "\n"
+        self._vllm.stats = engine_stats or {}
+        return "\n".join(lines) + "\n" + generate_latest(self._registry).decode()

@@ -211,3 +211,16 @@ def test_bench_batched_tensor_parallel_cpu(tmp_path, monkeypatch, one_thread):
     assert row["complete"] and row["comm_calls_per_step"] == 10 and row["comm_ms_per_step"] > 0
     assert row["comm_bytes_per_step"] == 2 * 128 * 4 * 9 + 2 * (8192 // 2) * 4  # 9 all-reduces + 1 all-gather
     assert "Communication per decode step" in (out / "batched.md").read_text()
+
+
+def test_host_gap_is_wall_minus_profiled_kernel_time():
+    from linrnn_bench import batched
+
+    res = {"rows": [{"B": 1, "ms_per_step": 4.4}, {"B": 128, "ms_per_step": 22.7}],
+           "profile": [{"B": 128, "busy_ms_per_step": 19.4, "what": "kernel"}]}
+    batched.add_host_gap(res)
+    assert "host_gap_ms" not in res["rows"][0]  # not profiled at B = 1
+    assert res["rows"][1]["host_gap_ms"] == pytest.approx(3.3) and res["rows"][1]["kernel_ms"] == 19.4
+    cells = batched.row_cells({**res["rows"][1], "PP": 128, "TG": 128, "N_KV": 1, "T_PP": 1, "S_PP": 1, "T_TG": 1,
+                               "S_TG": 1, "S": 1, "floor_ms": 1, "pct_floor": 1}, False)
+    assert cells[batched.COLUMNS.index("host gap ms/step")] == "3.300"

@@ -464,6 +464,12 @@ def test_metrics(client):
     assert f'linrnn:time_to_first_token_seconds_bucket{{{lab},le="+Inf"}} 2' in text
     assert f"linrnn:time_to_first_token_seconds_count{{{lab}}} 2" in text
     assert f'linrnn:request_refused_total{{{lab},status="404"}} 1' in text
+    # vLLM's names beside ours (prometheus_client)
+    assert f"vllm:num_requests_running{{{lab}}} 0.0" in text and "# TYPE vllm:num_requests_running gauge" in text
+    assert f"vllm:kv_cache_usage_perc{{{lab}}} 0.0" in text and "# TYPE vllm:num_preemptions_total counter" in text
+    assert f'vllm:request_success_total{{finished_reason="stop",{lab}}} 2.0' in text
+    assert f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",{lab}}} 2.0' in text
+    assert f"vllm:time_to_first_token_seconds_count{{{lab}}} 2.0" in text
 
 
 def test_shutdown_stops_engine(engine):

@@ -16,6 +16,7 @@ It imports nothing of the server; the server imports nothing of it but the spawn
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -40,6 +41,19 @@ class EngineCore:
         self.engine = engine
         self._sent: dict[str, list[int]] = {}  # request id -> tokens sent per sample
         self._plp_sent: dict[str, int] = {}  # request id -> prompt-logprob entries sent
+
+        # wall time of the core loop's iterations that ran a step with decode rows only (receive,
+        # schedule, execute, postprocess, deltas, send): with a stubbed forward, the host time per step
+        self.loop_stats = {"core_decode_steps_total": 0, "core_decode_rows_total": 0,
+                           "core_decode_step_seconds_total": 0.0}
+
+    def observe_loop(self, t0: float, t1: float) -> None:
+        p = self.engine.last_plan
+        if p is not None and p.decode and not p.prefill:
+            st = self.loop_stats
+            st["core_decode_steps_total"] += 1
+            st["core_decode_rows_total"] += len(p.decode)
+            st["core_decode_step_seconds_total"] += t1 - t0
 
     def add(self, msg: AddRequest) -> RequestDelta | None:
         """Queue a request; a delta carrying the error when it is refused."""
@@ -66,16 +80,18 @@ class EngineCore:
         if sent is None:
             sent = self._sent[rid] = [0] * len(req.seqs)
         seqs = []
-        for s, k in zip(req.seqs, sent):
-            n = s.num_output
-            if n == k and s.finish_reason is None:
-                continue
-            cut = None
-            if isinstance(s.stop_reason, str):
-                cut = len(s.text)
-            seqs.append(SeqDelta(s.index, s.token_ids[s.prompt_len + k:],
-                                 s.logprobs[k:] if s.logprobs is not None else None,
-                                 s.finish_reason, s.stop_reason, cut))
+        finished = True
+        for s in req.seqs:
+            k = sent[s.index]
+            start = s.prompt_len + k
+            n = len(s.token_ids) - s.prompt_len
+            reason = s.finish_reason
+            if reason is None:
+                finished = False
+                if n == k:
+                    continue
+            seqs.append(SeqDelta(s.index, s.token_ids[start:], s.logprobs[k:] if s.logprobs is not None else None,
+                                 reason, s.stop_reason, len(s.text) if isinstance(s.stop_reason, str) else None))
             sent[s.index] = n
         plp = None
         if req.prompt_logprobs is not None:
@@ -83,7 +99,6 @@ class EngineCore:
             if len(req.prompt_logprobs) > k:
                 plp = req.prompt_logprobs[k:]
                 self._plp_sent[rid] = len(req.prompt_logprobs)
-        finished = req.finished
         if finished:
             self._sent.pop(rid, None)
             self._plp_sent.pop(rid, None)
@@ -121,6 +136,8 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
         "eos_token_ids": engine.eos_token_ids, "kv_capacity_tokens": engine.scheduler.kv_capacity_tokens,
         "describe": engine.describe(), "pid": os.getpid()}))
     core = EngineCore(engine)
+    gc.collect()
+    gc.freeze()  # the model and caches' Python objects never become garbage: keep them out of every GC pass
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     next_stats = 0.0
@@ -128,6 +145,8 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
     stop = False
     try:
         while not stop:
+            t_loop = time.perf_counter()
+            stepped = False
             busy = engine.has_unfinished_requests()
             deltas: list[RequestDelta] = []
             if poller.poll(0 if busy else 100):
@@ -151,7 +170,9 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
                         deltas.append(d)
             if not stop and engine.has_unfinished_requests():
                 checked_idle = False
+                n_before = len(deltas)
                 deltas += core.step()
+                stepped = len(deltas) > n_before
             elif not checked_idle:
                 checked_idle = True
                 if idle_integrity_check:
@@ -163,9 +184,12 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             stats = None
             if now >= next_stats:
                 stats = engine.stats()
+                stats.update(core.loop_stats)
                 next_stats = now + STATS_INTERVAL_S
             if deltas or stats is not None:
                 push.send(encoder.encode(StepOutputs(deltas, stats)))
+            if stepped:
+                core.observe_loop(t_loop, time.perf_counter())
             if os.getppid() != parent:  # nobody reads our outputs any more
                 log.warning("the API server process is gone; the engine core exits")
                 break

@@ -87,9 +87,11 @@ class Executor(abc.ABC):
 class UniProcExecutor(Executor):
     """One Worker in this process."""
 
+    worker_cls = Worker
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        w = self.worker = Worker(self.config, self.model_config, self.model_dir, self.device, self.dtype,
+        w = self.worker = self.worker_cls(self.config, self.model_config, self.model_dir, self.device, self.dtype,
                                  self.max_model_len, progress=self.progress)
         w.load_model(self.calibration_tokens)
         self.budget = w.determine_budget()

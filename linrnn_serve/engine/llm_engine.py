@@ -122,6 +122,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self._finished_aborts: list[RequestOutput] = []
         self.num_steps = 0
+        self.last_plan = None  # the latest step's StepPlan (timing breakdowns)
         self.capture_logits = False  # tests: keep a copy of every step's logits per (request, sample, position)
         self.logits_log: dict[tuple[str, int, int], torch.Tensor] = {}
 
@@ -300,7 +301,7 @@ class LLMEngine:
 
     def step_requests(self) -> list[Request]:
         """One engine step; the requests with new output (finished ones included)."""
-        plan = self.scheduler.schedule()
+        plan = self.last_plan = self.scheduler.schedule()
         if plan.empty:
             return []
         constrained = self.structured.constraints

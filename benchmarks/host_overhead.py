@@ -1,0 +1,221 @@
+"""Host time per decode step, with the forward stubbed out (CPU; no model math).
+
+The engine runs for real — scheduler, runner (input staging, upload, buckets, sampling-row
+bookkeeping, the sampled ids' transfer), postprocess, per-step deltas, the message to the API server,
+its detokenization and 128 streaming HTTP clients — but the model forward + sampler is replaced by
+one tiny elementwise op (`StubRunner._decode_forward`: next token = f(last token)). So the wall time of
+one core-loop iteration is the host's cost of a decode step: what the GPU waits for when it is not
+hidden.
+
+    python -m linrnn_bench.host_overhead [--batch 1,128] [--tokens 256] [--out benchmarks/results/host_overhead]
+
+Two numbers per batch size:
+  bare    the engine core alone in this process: EngineCore.step() (schedule -> execute -> postprocess
+          -> deltas) + msgspec encoding of the step's message, timed per step
+  served  the core in its own process (engine/core.py) behind the API server (uvicorn in this process)
+          with B streaming HTTP clients (another process): the core's own timing of its loop
+          iterations (`core_decode_step_seconds_total` / `core_decode_steps_total` from /metrics),
+          over every decode-only step of the run (the mean batch is reported beside it)
+Prefill steps are left out. Mean and median are both given for `bare`: on a loaded shared machine
+the mean carries the scheduler's preemptions of this process.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from linrnn_serve.engine.executor import UniProcExecutor
+from linrnn_serve.runner.model_runner import ModelRunner
+from linrnn_serve.runner.worker import Worker
+
+STUB = "linrnn_bench.host_overhead:StubExecutor"
+TEXT_IDS = (300, 8000)  # stub tokens stay among ordinary text tokens of the default model's vocabulary
+
+
+class StubModel(torch.nn.Module):
+    """The model's interface without its math: zero logits for prefill rows."""
+
+    def __init__(self, cfg, dtype, device):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.anchor = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, batch, caches, all_logits: bool = False):
+        rows = batch.logits_indices.numel() if getattr(batch, "logits_indices", None) is not None else \
+            batch.cu_seqlens.numel() - 1
+        return torch.zeros(rows, self.cfg.vocab_size, dtype=self.dtype, device=self.anchor.device)
+
+
+class StubRunner(ModelRunner):
+    def _decode_forward(self, b: int) -> None:
+        lo, hi = TEXT_IDS
+        ids = self._ints[0, :b]
+        self.greedy_buf[:b].copy_((ids * 7 + 13) % (hi - lo) + lo)
+
+
+class StubWorker(Worker):
+    def load_model(self, calibration_tokens=None) -> None:
+        self.model = StubModel(self.model_config, self.dtype, self.device)
+        self.head_map_description = "stub (no model)"
+
+    def init_caches(self, budget) -> None:
+        super().init_caches(budget)
+        c = self.config
+        self.runner = StubRunner(self.model, self.caches, max_num_seqs=c.max_num_seqs,
+                                 max_model_len=self.max_model_len, block_size=c.block_size,
+                                 enforce_eager=c.enforce_eager, progress=False)
+
+
+class StubExecutor(UniProcExecutor):
+    worker_cls = StubWorker
+
+
+def engine_config(batch: int, tokens: int, executor: str = STUB):
+    from linrnn_serve.config import EngineConfig
+
+    return EngineConfig(model="default", executor=executor, max_num_seqs=max(batch, 1),
+                        max_num_batched_tokens=max(2048, batch), max_model_len=tokens + 64)
+
+
+PROMPT = [1000, 2000, 3000, 4000]
+
+
+# ---- bare: the core in this process ----------------------------------------------------------------
+def bench_bare(batch: int, tokens: int) -> dict:
+    from linrnn_serve.engine.core import EngineCore
+    from linrnn_serve.engine.llm_engine import LLMEngine
+    from linrnn_serve.engine.protocol import AddRequest, StepOutputs, encoder
+    from linrnn_serve.sampling_params import SamplingParams
+
+    eng = LLMEngine(engine_config(batch, tokens), progress=False)
+    eng.detokenize_all = False
+    core = EngineCore(eng)
+    gc.collect()
+    gc.freeze()  # as the core process does
+    p = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i in range(batch):
+        core.add(AddRequest(f"r{i}", PROMPT, p, time.monotonic()))
+    times = []
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        deltas = core.step()
+        encoder.encode(StepOutputs(deltas))
+        t1 = time.perf_counter()
+        plan = eng.last_plan
+        if plan.decode and not plan.prefill and len(plan.decode) == batch:
+            times.append(t1 - t0)
+    times = times[len(times) // 8:]  # warm-up
+    times.sort()
+    return {"steps": len(times), "mean_ms": 1e3 * sum(times) / len(times), "median_ms": 1e3 * times[len(times) // 2]}
+
+
+# ---- served: core process + API server + streaming clients ----------------------------------------
+async def _clients(url: str, batch: int, tokens: int) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=batch + 8, max_keepalive_connections=batch + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        async def one(i):
+            n = 0
+            body = {"prompt": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0, "ignore_eos": True}
+            async with http.stream("POST", url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        n += 1
+            return n
+
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(i) for i in range(batch)))
+        return {"chunks": sum(counts), "seconds": time.perf_counter() - t0}
+
+
+def bench_served(batch: int, tokens: int) -> dict:
+    import uvicorn
+
+    from linrnn_serve.engine.core_client import AsyncMPClient
+    from linrnn_serve.engine.protocol import STATS_INTERVAL_S
+    from linrnn_server.app import build_app
+
+    client = AsyncMPClient(engine_config(batch, tokens))
+    app = build_app(client)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+
+    async def main():
+        serve = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "linrnn_bench.host_overhead", "--clients", url, "--batch", str(batch),
+            "--tokens", str(tokens), stdout=subprocess.PIPE)
+        out, _ = await proc.communicate()
+        await asyncio.sleep(2 * STATS_INTERVAL_S + 0.1)  # the core's next stats snapshot
+        end = client.stats()
+        server.should_exit = True
+        await serve
+        return end, json.loads(out)
+
+    try:
+        end, clients = asyncio.run(main())
+    finally:
+        client.shutdown_sync(timeout=10)
+    steps, secs = end["core_decode_steps_total"], end["core_decode_step_seconds_total"]
+    rows = end["core_decode_rows_total"]
+    return {"steps": steps, "mean_ms": 1e3 * secs / max(steps, 1), "mean_batch": rows / max(steps, 1),
+            "client_chunks": clients["chunks"], "client_seconds": clients["seconds"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", default="1,128")
+    ap.add_argument("--tokens", type=int, default=1024, help="output tokens per request")
+    ap.add_argument("--out", default=None, help="folder for host_overhead.json / .md")
+    ap.add_argument("--clients", default=None, help=argparse.SUPPRESS)  # internal: run the clients against URL
+    a = ap.parse_args(argv)
+    if a.clients:
+        print(json.dumps(asyncio.run(_clients(a.clients, int(a.batch), a.tokens))))
+        return 0
+    torch.set_num_threads(1)
+    rows = []
+    for b in [int(x) for x in a.batch.split(",")]:
+        bare = bench_bare(b, a.tokens)
+        served = bench_served(b, a.tokens)
+        rows.append({"batch": b, "bare": bare, "served": served})
+        print(f"B={b:4d}  bare {bare['mean_ms']:.3f} ms/step (median {bare['median_ms']:.3f}, {bare['steps']} steps)"
+              f"  served {served['mean_ms']:.3f} ms/step ({served['steps']} steps, mean batch "
+              f"{served['mean_batch']:.1f}; clients got {served['client_chunks']} chunks)", flush=True)
+    env = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+           "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(), "torch": torch.__version__,
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tokens": a.tokens,
+           "command": "python -m linrnn_bench.host_overhead " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "host_overhead.json"), "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+        with open(os.path.join(a.out, "host_overhead.md"), "w") as f:
+            f.write("# Host time per decode step, stubbed forward (CPU)\n\n")
+            f.write(f"`{env['command']}` at {env['commit']}, {env['date']}, {env['cores']} cores "
+                    f"(1-min load average {env['load_avg_1m']:.1f}), torch {env['torch']}\n\n")
+            f.write("| B | bare core ms/step (mean / median) | served: core process + API server + B streaming "
+                    "clients, ms/step | steps timed |\n|---|---|---|---|\n")
+            for r in rows:
+                f.write(f"| {r['batch']} | {r['bare']['mean_ms']:.3f} / {r['bare']['median_ms']:.3f} | "
+                        f"{r['served']['mean_ms']:.3f} | {r['bare']['steps']} / {r['served']['steps']} |\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
