@@ -158,7 +158,7 @@ def bench_served(batch: int, tokens: int) -> dict:
         url = f"http://127.0.0.1:{port}"
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "linrnn_bench.host_overhead", "--clients", url, "--batch", str(batch),
-            "--tokens", str(tokens), stdout=subprocess.PIPE)
+            "--tokens", str(tokens), stdout=subprocess.PIPE, start_new_session=True)  # its own CPU autogroup
         out, _ = await proc.communicate()
         await asyncio.sleep(2 * STATS_INTERVAL_S + 0.1)  # the core's next stats snapshot
         end = client.stats()
@@ -173,7 +173,20 @@ def bench_served(batch: int, tokens: int) -> dict:
     steps, secs = end["core_decode_steps_total"], end["core_decode_step_seconds_total"]
     rows = end["core_decode_rows_total"]
     return {"steps": steps, "mean_ms": 1e3 * secs / max(steps, 1), "mean_batch": rows / max(steps, 1),
+            "median_ms": 1e3 * histogram_median(end["core_decode_step_seconds"]),
             "client_chunks": clients["chunks"], "client_seconds": clients["seconds"]}
+
+
+def histogram_median(h: dict) -> float:
+    """Median of a cumulative histogram snapshot, linear within its bucket."""
+    half, lo, below = h["count"] / 2, 0.0, 0
+    for le, cum in h["buckets"]:
+        if cum >= half:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * (half - below) / max(cum - below, 1)
+        lo, below = le, cum
+    return lo
 
 
 def main(argv=None) -> int:
@@ -193,7 +206,7 @@ def main(argv=None) -> int:
         served = bench_served(b, a.tokens)
         rows.append({"batch": b, "bare": bare, "served": served})
         print(f"B={b:4d}  bare {bare['mean_ms']:.3f} ms/step (median {bare['median_ms']:.3f}, {bare['steps']} steps)"
-              f"  served {served['mean_ms']:.3f} ms/step ({served['steps']} steps, mean batch "
+              f"  served {served['mean_ms']:.3f} ms/step (median {served['median_ms']:.3f}, {served['steps']} steps, mean batch "
               f"{served['mean_batch']:.1f}; clients got {served['client_chunks']} chunks)", flush=True)
     env = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
            "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(), "torch": torch.__version__,
@@ -210,10 +223,11 @@ def main(argv=None) -> int:
             f.write(f"`{env['command']}` at {env['commit']}, {env['date']}, {env['cores']} cores "
                     f"(1-min load average {env['load_avg_1m']:.1f}), torch {env['torch']}\n\n")
             f.write("| B | bare core ms/step (mean / median) | served: core process + API server + B streaming "
-                    "clients, ms/step | steps timed |\n|---|---|---|---|\n")
+                    "clients, ms/step (mean / median) | steps timed (bare / served) |\n|---|---|---|---|\n")
             for r in rows:
                 f.write(f"| {r['batch']} | {r['bare']['mean_ms']:.3f} / {r['bare']['median_ms']:.3f} | "
-                        f"{r['served']['mean_ms']:.3f} | {r['bare']['steps']} / {r['served']['steps']} |\n")
+                        f"{r['served']['mean_ms']:.3f} / {r['served']['median_ms']:.3f} | {r['bare']['steps']} / "
+                        f"{r['served']['steps']} |\n")
     return 0
 
 

@@ -45,6 +45,11 @@ HELP = {
     "time_to_first_token_seconds": "Time from request arrival to its first token.",
     "inter_token_latency_seconds": "Time between output tokens (per-sequence mean).",
     "e2e_request_latency_seconds": "Time from request arrival to its end.",
+    "core_decode_steps_total": "Decode-only engine steps timed by the engine core.",
+    "core_decode_rows_total": "Sequences in those steps (divide by the steps for the mean batch).",
+    "core_decode_step_seconds_total": "Wall time of the engine core's loop over those steps.",
+    "core_decode_step_seconds": "Wall time of one decode-only step of the engine core's loop (receive, schedule, "
+                                "run, postprocess, send).",
     "request_refused_total": "Requests refused with an HTTP error, by status.",
 }
 

@@ -22,12 +22,17 @@ import os
 import pickle
 import time
 
+from linrnn_serve.engine.metrics import Histogram
 from linrnn_serve.engine.protocol import (
     STATS_INTERVAL_S, AbortRequest, AddRequest, ErrorInfo, RequestDelta, SeqDelta, Shutdown, StepOutputs,
     client_decoder, encoder,
 )
 
 log = logging.getLogger(__name__)
+
+# host time per decode step (with the forward on a GPU, what the GPU waits for when it is not hidden)
+STEP_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
+                0.02, 0.05, 0.1)
 
 
 def error_info(e: BaseException) -> ErrorInfo:
@@ -46,6 +51,11 @@ class EngineCore:
         # schedule, execute, postprocess, deltas, send): with a stubbed forward, the host time per step
         self.loop_stats = {"core_decode_steps_total": 0, "core_decode_rows_total": 0,
                            "core_decode_step_seconds_total": 0.0}
+        self.step_hist = Histogram(STEP_BUCKETS)
+
+    @property
+    def stats(self) -> dict:
+        return {**self.loop_stats, "core_decode_step_seconds": self.step_hist.snapshot()}
 
     def observe_loop(self, t0: float, t1: float) -> None:
         p = self.engine.last_plan
@@ -54,6 +64,7 @@ class EngineCore:
             st["core_decode_steps_total"] += 1
             st["core_decode_rows_total"] += len(p.decode)
             st["core_decode_step_seconds_total"] += t1 - t0
+            self.step_hist.observe(t1 - t0)
 
     def add(self, msg: AddRequest) -> RequestDelta | None:
         """Queue a request; a delta carrying the error when it is refused."""
@@ -184,7 +195,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             stats = None
             if now >= next_stats:
                 stats = engine.stats()
-                stats.update(core.loop_stats)
+                stats.update(core.stats)
                 next_stats = now + STATS_INTERVAL_S
             if deltas or stats is not None:
                 push.send(encoder.encode(StepOutputs(deltas, stats)))

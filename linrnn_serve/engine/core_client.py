@@ -179,10 +179,11 @@ class AsyncMPClient:
         with open(cfg_path, "wb") as f:
             pickle.dump(config, f)
         # a fresh interpreter (not multiprocessing): nothing of this process is inherited or re-imported
-        # its own session: a terminal's Ctrl-C reaches only this process, which then shuts the core down
-        # gracefully (in-flight requests may finish); the core exits by itself if this process dies
+        # its own process group (not session: the kernel's CPU autogroups are per session): a terminal's
+        # Ctrl-C reaches only this process, which then shuts the core down gracefully (in-flight requests
+        # may finish); the core exits by itself if this process dies
         self.proc = subprocess.Popen([sys.executable, "-m", "linrnn_serve.engine.core", in_addr, out_addr, cfg_path,
-                                      str(level), "1" if idle_integrity_check else "0"], start_new_session=True)
+                                      str(level), "1" if idle_integrity_check else "0"], process_group=0)
         facts = self._handshake()
         self.config: EngineConfig = facts["config"]
         self.model_config = facts["model_config"]
