@@ -15,9 +15,12 @@ aborted, `linrnn:kv_cache_usage_perc` and `linrnn:state_cache_usage_perc` must b
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PREFIX = "linrnn:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -155,20 +158,27 @@ class ServerMetrics:
     """What /metrics shows beyond the engine's snapshot. Updated on the event loop thread only."""
 
     def __init__(self, model_name: str):
-        from prometheus_client import CollectorRegistry
-
         self.labels = {"model_name": model_name}
         self.refused: dict[str, int] = defaultdict(int)  # HTTP status -> requests refused
         self._vllm = _VllmCollector(model_name)
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(self._vllm)
+        try:
+            from prometheus_client import CollectorRegistry
+        except ImportError:  # a declared dependency; a hand-assembled environment may still lack it
+            log.warning("prometheus_client is not installed: /metrics shows the linrnn: series only")
+            self._registry = None
+        else:
+            self._registry = CollectorRegistry(auto_describe=False)
+            self._registry.register(self._vllm)
 
     def render(self, engine_stats: dict[str, Any] | None) -> str:
-        from prometheus_client import generate_latest
-
         lines: list[str] = []
         for name, value in (engine_stats or {}).items():
             lines += render_series(name, value, self.labels)
         lines += render_series("request_refused_total", dict(self.refused), self.labels)
-        self._vllm.stats = engine_stats or {}
-        return "\n".join(lines) + "\n" + generate_latest(self._registry).decode()
+        text = "\n".join(lines) + "\n"
+        if self._registry is not None:
+            from prometheus_client import generate_latest
+
+            self._vllm.stats = engine_stats or {}
+            text += generate_latest(self._registry).decode()
+        return text
