@@ -137,9 +137,14 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
     except BaseException as e:  # noqa: BLE001 -- the client raises it as a start-up error
         push.send(pickle.dumps({"error": error_info(e)}))
         push.close()
+        pull.close(linger=0)
         ctx.term()
         return
     engine.detokenize_all = False
+    if engine.device.type == "cpu":  # leave a core to the API server: spinning OpenMP threads starve it
+        import torch
+
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
     tok = engine.tokenizer
     push.send(pickle.dumps({
         "model_name": engine.model_name, "model_config": engine.model_config, "config": engine.config,

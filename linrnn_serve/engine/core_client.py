@@ -209,7 +209,11 @@ class AsyncMPClient:
             if self._pull.poll(200):
                 msg = pickle.loads(self._pull.recv())
                 if "error" in msg:
-                    self.proc.wait(10)
+                    try:
+                        self.proc.wait(10)
+                    except subprocess.TimeoutExpired:
+                        self.proc.kill()
+                        self.proc.wait()
                     self._close_sockets()
                     e = rebuild_error(msg["error"])
                     raise (e if isinstance(e, (ValueError, RuntimeError)) else RuntimeError(str(e)))
