@@ -278,10 +278,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> Request | None:
         """Abort a request; returns it (finished, finish_reason 'abort'), None if unknown/finished."""
         req = self.scheduler.abort_request(request_id)
-                if constrained:
-                    for s in req.seqs:
-                        self.structured.remove(s.seq_id)
-        return reqs
+        if req is not None:
+            for s in req.seqs:
+                self.structured.remove(s.seq_id)
+            self._observe_finish(req, time.monotonic())
+        return req
 
     def check_health(self) -> None:
         """Raise if a worker is gone (tensor-parallel worker processes; in-process workers cannot be)."""
