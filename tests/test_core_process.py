@@ -58,12 +58,19 @@ def test_matches_offline_engine_and_refuses_with_typed_errors(model_dir):
         async def main():
             got = await asyncio.gather(*(_last(client, p, c, f"r{i}")
                                          for i, (p, c) in enumerate(zip(prompts, CASES))))
+            def close(x, y):  # logprobs: the core may run another CPU thread count (f32 reduction order)
+                return x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
+
             for g, w in zip(got, want):
                 assert g.finished and g.prompt_token_ids == w.prompt_token_ids
-                assert g.prompt_logprobs == w.prompt_logprobs
+                assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None)
+                for x, y in zip(g.prompt_logprobs or [], w.prompt_logprobs or []):
+                    assert x == y or close(x, y)
                 for a, b in zip(g.outputs, w.outputs):
-                    assert (a.token_ids, a.text, a.finish_reason, a.stop_reason, a.logprobs) == \
-                           (b.token_ids, b.text, b.finish_reason, b.stop_reason, b.logprobs)
+                    assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+                           (b.token_ids, b.text, b.finish_reason, b.stop_reason)
+                    assert (a.logprobs is None) == (b.logprobs is None)
+                    assert all(close(x, y) for x, y in zip(a.logprobs or [], b.logprobs or []))
             with pytest.raises(PromptTooLongError):
                 await _last(client, list(range(1, 300)), SamplingParams(max_tokens=4), "long")
             with pytest.raises(SamplingParamError):
@@ -105,7 +112,7 @@ def test_full_queue_refused(model_dir):
     client = _client(model_dir, max_queue_len=1, max_num_seqs=1, max_num_batched_tokens=4)
     try:
         async def main():
-            p = SamplingParams(max_tokens=30, ignore_eos=True)
+            p = SamplingParams(max_tokens=200, ignore_eos=True)
             g1 = client.generate([1, 2, 3, 4, 5, 6, 7, 8], p, "a")
             await g1.__anext__()  # a is running
             g2 = client.generate([1, 2], p, "b")
