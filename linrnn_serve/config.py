@@ -292,6 +292,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" (bf16 on GPU, f32 on CPU) | "bfloat16" | "float32"
     device: str = "auto"  # "auto" | "cuda" | "cpu"
     max_model_len: int | None = None  # default: min(config max_position_embeddings, 8192)
+    # a max_model_len above the model's max_position_embeddings is refused unless this is set
+    # (positions the model was not trained on: quality is unknown); vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
+    allow_long_max_model_len: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # chunked-prefill token budget per step
     gpu_memory_utilization: float = 0.90

@@ -145,8 +145,12 @@ class EngineArgs:
     # ---- engine -----------------------------------------------------------------------------
     max_model_len: int | None = _f(None, "context length (prompt + output) per request; k/m (x1000) and K/M "
                                    "(x1024) suffixes; 'auto' or -1: the model's (default: min(model's, 8192)); "
-                                   "above the model's limit needs LINRNN_ALLOW_LONG_MAX_MODEL_LEN=1",
+                                   "above the model's limit needs --allow-long-max-model-len",
                                    type=_max_model_len)
+    allow_long_max_model_len: bool = _f(False, "accept a --max-model-len above the model's "
+                                        "max_position_embeddings (refused otherwise: the model was not trained on "
+                                        "those positions; env LINRNN_ALLOW_LONG_MAX_MODEL_LEN=1 or vLLM's "
+                                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 too)", action="store_true")
     max_num_seqs: int = _f(64, "sequences in the running batch", type=_positive_int)
     max_num_batched_tokens: int = _f(2048, "tokens per engine step (chunked-prefill budget)", type=human_int)
     max_queue_len: int = _f(1024, "requests waiting for admission; beyond this the server answers 503",
@@ -256,8 +260,8 @@ class EngineArgs:
             else self.max_model_len
         return EngineConfig(
             model=self.model or "default", load_format=self.load_format, dtype=dtype, device=self.device,
-            max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=max(human_int(self.max_num_batched_tokens), self.max_num_seqs),
+            max_model_len=max_model_len, allow_long_max_model_len=self.allow_long_max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max(human_int(self.max_num_batched_tokens), self.max_num_seqs),
             gpu_memory_utilization=self.gpu_memory_utilization, block_size=self.block_size,
             enforce_eager=self.enforce_eager, ssm_bf16_tau=float(self.ssm_bf16_tau),
             ssm_calibration=self.ssm_calibration, seed=self.seed, max_queue_len=self.max_queue_len,

@@ -5,8 +5,10 @@
 
 `engine` is an AsyncMPClient (the engine core in its own process, what `linrnn-serve` uses), an
 in-process AsyncLLMEngine, or anything with their interface (generate / abort / tokenizer /
-stats / shutdown). On shutdown (uvicorn's SIGINT/SIGTERM handling) the app lets in-flight requests
-finish for up to `shutdown_timeout` seconds, then aborts the rest and stops the engine.
+stats / shutdown). A RequestGuard (guard.py) in front of the routes refuses oversized bodies (413)
+and, while the server drains, new requests (503). Graceful shutdown: `app.state.server.drain(t)`
+(called by cli.py on SIGINT / SIGTERM) lets in-flight requests finish, aborts what is left with a
+final chunk; the lifespan's end then stops the engine.
 """
 from __future__ import annotations
 
@@ -25,21 +27,26 @@ from linrnn_server.auth import require_api_key
 from linrnn_server.engine_client import EngineClient
 from linrnn_server.errors import APIError, http_error, internal
 from linrnn_server.metrics import ServerMetrics
+from linrnn_server.guard import RequestGuard
 from linrnn_server.routes import chat, completions, health, metrics, models, responses, tokenize
-from linrnn_server.serving import ClientDisconnected, ServerState, log_stats_forever
+from linrnn_server.serving import DEFAULT_MAX_REQUEST_BYTES, ClientDisconnected, ServerState, log_stats_forever
 
 log = logging.getLogger(__name__)
 
 
 def build_app(engine: Any, served_model_names: list[str] | None = None, api_key: str | None = None,
               shutdown_mode: str = "finish", shutdown_timeout: float = 10.0, owns_engine: bool = True,
-              log_requests: bool = False, stats_interval: float | None = None) -> FastAPI:
+              log_requests: bool = False, stats_interval: float | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, default_max_tokens: int | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine`. With `owns_engine`, the app's shutdown stops the engine
     ('finish': in-flight requests may complete within `shutdown_timeout`, then the rest are aborted).
-    `log_requests`: one INFO line per request; `stats_interval`: seconds between statistics lines."""
+    `log_requests`: one INFO line per request; `stats_interval`: seconds between statistics lines.
+    Request bodies over `max_request_bytes` (0: no limit) get 413; `default_max_tokens` caps requests
+    that set no max_tokens (serving.apply_default_max_tokens)."""
     client = EngineClient(engine, served_model_names)
     state = ServerState(client, ServerMetrics(client.served_model_names[0]), api_key or None,
-                        log_requests=log_requests)
+                        log_requests=log_requests, max_body_bytes=max_request_bytes,
+                        default_max_tokens=default_max_tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,6 +62,7 @@ def build_app(engine: Any, served_model_names: list[str] | None = None, api_key:
 
     app = FastAPI(title="linrnn-serve", description="OpenAI-compatible API of linrnn-serve", lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(RequestGuard, state=state)
     secured = [Depends(require_api_key)]
     app.include_router(health.router)
     app.include_router(metrics.router)

@@ -36,6 +36,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from linrnn_serve.engine_args import EngineArgs
     from linrnn_serve.presets import describe_presets
+    from linrnn_server.serving import DEFAULT_MAX_REQUEST_BYTES
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.usage = "%(prog)s [MODEL] [options]"
@@ -52,7 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on /v1 and /tokenize, /detokenize (or set "
                         f"${API_KEY_ENV})")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="on SIGINT/SIGTERM, let in-flight requests finish this long, then abort them")
+                   help="on SIGINT/SIGTERM: new requests get 503, in-flight ones may finish, and those still "
+                        "running 1.5 s before this timeout end with finish_reason 'abort' and [DONE]; the "
+                        "process exits within it. A second signal exits at once")
+    s.add_argument("--default-max-tokens", type=_positive_int, default=None, metavar="N",
+                   help="requests that set no max_tokens (chat, or completions with max_tokens null) generate "
+                        "at most N tokens (default: up to the context limit, max_model_len - prompt tokens, "
+                        "as vLLM)")
+    s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help="larger request bodies get 413 (default 32 MiB; 0: no limit)")
     s.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="this server's log level")
     s.add_argument("--uvicorn-log-level", choices=LOG_LEVELS + ("trace",), default=None,
                    help="uvicorn's log level (default: --log-level)")
@@ -96,12 +105,42 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Stop(Exception):
-    """A stop signal after uvicorn's graceful shutdown."""
+def draining_server(config, state, drain_timeout: float):
+    """A uvicorn.Server whose first SIGINT / SIGTERM drains the app (ServerState.drain: 503 for new
+    requests, in-flight ones finish or are aborted with a final chunk) before uvicorn's own shutdown,
+    and whose second signal exits the process at once."""
+    import asyncio
 
+    import uvicorn
 
-def _raise_stop(signum, frame):
-    raise _Stop()
+    class DrainingServer(uvicorn.Server):
+        _loop = None
+        _signalled = False
+
+        async def startup(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+        def handle_exit(self, sig, frame):
+            if self._signalled:
+                log.warning("second %s: exiting now", signal.Signals(sig).name)
+                logging.shutdown()
+                os._exit(1)
+            self._signalled = True
+            if self._loop is None or not self.started:  # still starting: nothing to drain
+                self.should_exit = True
+                return
+            log.info("%s: draining (up to %.1f s; a second signal exits at once)", signal.Signals(sig).name,
+                     drain_timeout)
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+        async def _drain(self):
+            try:
+                await state.drain(drain_timeout)
+            finally:
+                self.should_exit = True
+
+    return DrainingServer(config)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,33 +179,37 @@ def run(args: argparse.Namespace) -> int:
     from linrnn_server.app import build_app
 
     app = build_app(engine, served_model_names=args.served_model_name, api_key=api_key,
-                    shutdown_mode="finish", shutdown_timeout=args.shutdown_timeout,
-                    log_requests=not args.disable_log_requests,
+                    shutdown_mode="abort", shutdown_timeout=1.0, max_request_bytes=args.max_request_bytes,
+                    default_max_tokens=args.default_max_tokens, log_requests=not args.disable_log_requests,
                     stats_interval=None if args.disable_log_stats else args.stats_interval)
     uv_level = args.uvicorn_log_level or args.log_level
-    uv_config = uvicorn.Config(app, log_level=uv_level, timeout_graceful_shutdown=max(args.shutdown_timeout, 0.1),
+    # the drain has ended every request before uvicorn's shutdown starts: its grace period only
+    # covers the last bytes of each response
+    uv_config = uvicorn.Config(app, log_level=uv_level, timeout_graceful_shutdown=1,
                                access_log=uv_level in ("debug", "trace"))
-    server = uvicorn.Server(uv_config)
+    server = draining_server(uv_config, app.state.server, max(args.shutdown_timeout, 0.0))
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("listening on http://%s:%d (OpenAI API under /v1)", host, sock.getsockname()[1])
-    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the handler that
-    # was installed before it: make that an exception here, so a requested stop exits with status 0
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     died = _watch_engine(engine, server)
     try:
         server.run(sockets=[sock])
-    except _Stop:
-        pass
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if getattr(engine, "is_running", False):  # the lifespan did not get to stop it
             engine.shutdown_sync(timeout=5.0)
         sock.close()
     if died.is_set():
         log.error("exiting: the engine stopped (see the error above)")
         return 1
-    return 0 if server.started else 1
+    rc = 0 if server.started else 1
+    if server.started:
+        # every request has ended and the engine has stopped: skip the interpreter's teardown of torch
+        # and the model (seconds on a busy CPU), so the process exits within --shutdown-timeout
+        log.info("stopped")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 ENGINE_DEAD_GRACE_S = 1.0  # requests in flight get their 503 before the server stops

@@ -55,6 +55,8 @@ class EngineClient:
 
         self.chat_template: str | None = resolve_chat_template(_get(cfg, "chat_template", default=None))
         self._token_bytes: list[bytes | None] | None = None
+        if callable(getattr(self.tokenizer, "min_tokens", None)):
+            self.tokenizer.min_tokens("")  # builds its token-length table now, not in the first long request
 
     # ---- tokenizer ----------------------------------------------------------------------
     def require_tokenizer(self, param: str):
@@ -64,6 +66,35 @@ class EngineClient:
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         return list(self.require_tokenizer(param).encode(text, add_special_tokens=add_special_tokens))
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True, param: str = "prompt",
+                           reserve: int | None = None) -> list[int]:
+        """`encode` in a worker thread, so that a long prompt never stalls the event loop (/health and
+        every stream keep running). With `reserve` (the completion tokens the request needs), a text
+        that cannot fit the context is refused first from its length (`check_fits`)."""
+        tok = self.require_tokenizer(param)
+        if reserve is not None:
+            await self.check_fits([text], param, reserve)
+        ids = await anyio.to_thread.run_sync(lambda: tok.encode(text, add_special_tokens=add_special_tokens))
+        return list(ids)
+
+    async def check_fits(self, texts: list[str], param: str, reserve: int) -> None:
+        """Refuse (400 context_length_exceeded) a prompt that contains `texts` and cannot fit the context
+        with `reserve` completion tokens, even at the tokenizer's longest token: a megabyte prompt costs
+        a byte count, not seconds of tokenizing (or rendering)."""
+        bound = getattr(self.tokenizer, "min_tokens", None)
+        if bound is None or sum(map(len, texts)) <= self.max_model_len:  # short: no bound needed
+            return
+        at_least = await anyio.to_thread.run_sync(bound, texts)
+        if at_least + reserve > self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the {param} "
+                f"alone has at least {at_least} tokens ({sum(map(len, texts))} characters). Please reduce the "
+                f"length of the {param}.", param, "context_length_exceeded")
+
+    async def run_blocking(self, fn, *args, **kwargs):
+        """A CPU-heavy call (chat-template rendering) in a worker thread, off the event loop."""
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:

@@ -20,6 +20,7 @@ from linrnn_serve.sampling_params import SamplingParamError, SamplingParams, Str
 from linrnn_server.engine_client import EngineClient
 from linrnn_server.errors import (APIError, bad_request, from_engine_error, from_validation_error, internal,
                                   model_not_found)
+from linrnn_server.guard import shutting_down
 from linrnn_server.metrics import ServerMetrics
 from linrnn_server.protocol import RequestModel
 
@@ -31,6 +32,10 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready; its requests were aborted."""
 
 
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # request bodies above this get 413 (--max-request-bytes)
+ABORT_RESERVE_S = 1.5  # of a drain timeout (at most a third of it), kept for aborting what is left and exiting
+
+
 @dataclass
 class ServerState:
     engine: EngineClient
@@ -39,10 +44,37 @@ class ServerState:
     active: set[str] = field(default_factory=set)  # engine request ids in flight
     started: float = field(default_factory=time.time)
     log_requests: bool = False  # one INFO line per request (--disable-log-requests turns it off)
+    max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    draining: bool = False  # shutting down: new requests get 503 (guard.py)
+    default_max_tokens: int | None = None  # --default-max-tokens: cap for requests that set no limit
 
     @property
     def model_names(self) -> list[str]:
         return self.engine.served_model_names
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown, first part: take no new requests, let those in flight finish until
+        ABORT_RESERVE_S (at most a third of `timeout`) before `timeout`, then abort the rest: each
+        stream then ends with a final chunk (finish_reason "abort") and [DONE], each non-streamed
+        request with its partial text. Returns once every request has ended (or `timeout` passed)."""
+        self.draining = True
+        start = time.monotonic()
+        end = start + timeout
+        abort_at = end - min(ABORT_RESERVE_S, timeout / 3)
+        if self.active:
+            log.info("draining: %d request(s) in flight, up to %.1f s", len(self.active), abort_at - start)
+        while self.active and time.monotonic() < abort_at:
+            await asyncio.sleep(0.05)
+        aborted: set[str] = set()
+        while self.active and time.monotonic() < end:
+            for rid in self.active - aborted:  # one that started late is aborted on the next round
+                aborted.add(rid)
+                await self.engine.abort(rid)
+            await asyncio.sleep(0.02)
+        if aborted:
+            log.info("drain timeout: aborted %d request(s)", len(aborted))
+        if self.active:
+            log.warning("%d request(s) still open after the %.1f s shutdown timeout", len(self.active), timeout)
 
 
 def state_of(request: Request) -> ServerState:
@@ -53,14 +85,27 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+PARSE_IN_THREAD_BYTES = 1 << 20  # bodies above this are decoded in a worker thread
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as `model`. Content-Type is not required (curl -d sends a form type). Unknown
-    top-level fields of the generation requests are logged and ignored."""
+    top-level fields of the generation requests are logged and ignored. Its size is bounded by the
+    RequestGuard (413). A large body is decoded by json.loads in a worker thread and validated from
+    Python objects: pydantic's JSON parser holds the GIL several times longer than json.loads, and
+    the event loop (/health, streams) waits for the GIL."""
     raw = await request.body()
     if not raw.strip():
         raise bad_request("The request body is empty: send a JSON object.", None, "invalid_json")
     try:
-        body = model.model_validate_json(raw)
+        if len(raw) > PARSE_IN_THREAD_BYTES:
+            try:
+                obj = await anyio.to_thread.run_sync(json.loads, raw)
+            except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+                raise bad_request(f"The request body is not valid JSON: {e}", None, "invalid_json") from None
+            body = model.model_validate(obj)
+        else:
+            body = model.model_validate_json(raw)
     except ValidationError as e:
         raise from_validation_error(e, model.TYPE_HINTS) from None
     body.warn_unknown(log)
@@ -193,6 +238,14 @@ def check_prompt(engine: EngineClient, ids: list[int], max_tokens: int | None, p
                           "invalid_value")
 
 
+def apply_default_max_tokens(state: ServerState, params: SamplingParams, prompt_len: int) -> None:
+    """The policy for a request that sets no max_tokens (README "Limits"): it may generate up to the
+    context limit, max_model_len - prompt tokens (vLLM's rule), capped at --default-max-tokens when
+    the server sets one."""
+    if params.max_tokens is None and state.default_max_tokens:
+        params.max_tokens = max(1, min(state.default_max_tokens, state.engine.max_model_len - prompt_len))
+
+
 async def until_disconnect(request: Request, coro):
     """Await `coro`, cancelling it if the client disconnects first (then raise ClientDisconnected).
     Streaming responses get the same from Starlette once they have started."""
@@ -232,6 +285,8 @@ class Generation:
         self._first: list[RequestOutput] = []
 
     async def start(self) -> None:
+        if self.state.draining:
+            raise shutting_down()
         eng = self.state.engine
         if self.state.log_requests:
             log.info("request %s: %d prompt(s) of %s tokens, params %s", self.base_id, len(self.prompts),

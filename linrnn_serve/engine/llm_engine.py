@@ -28,7 +28,7 @@ from linrnn_serve.engine.outputs import CompletionOutput, EngineFullError, Promp
 from linrnn_serve.engine.structured_output import StructuredOutputs
 from linrnn_serve.engine.tokenizer import Tokenizer
 from linrnn_serve.generation_config import default_sampling_params
-from linrnn_serve.models.loading import resolve_device, resolve_dtype
+from linrnn_serve.models.loading import check_weights_fit, resolve_device, resolve_dtype
 from linrnn_serve.sampling_params import SamplingParams
 from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
 
@@ -82,16 +82,23 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > cfg.max_position_embeddings:
-            if os.environ.get(ALLOW_LONG_ENV, os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")) not in ("1", "true"):
+            allowed = config.allow_long_max_model_len or os.environ.get(
+                ALLOW_LONG_ENV, os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")) in ("1", "true")
+            if not allowed:
                 raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit "
-                                 f"(max_position_embeddings {cfg.max_position_embeddings}); set {ALLOW_LONG_ENV}=1 to "
-                                 f"allow it anyway")
-            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d (%s=1)", self.max_model_len,
-                        cfg.max_position_embeddings, ALLOW_LONG_ENV)
+                                 f"(max_position_embeddings {cfg.max_position_embeddings}): lower --max-model-len, or "
+                                 f"pass --allow-long-max-model-len (or set {ALLOW_LONG_ENV}=1) to run positions the "
+                                 f"model was not trained on")
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d (allowed by "
+                        "--allow-long-max-model-len / %s)", self.max_model_len, cfg.max_position_embeddings,
+                        ALLOW_LONG_ENV)
         self.default_sampling_params = default_sampling_params(
             config.generation_config, resolved.model_dir, config.override_generation_config)
         self.tokenizer = self._load_tokenizer(resolved)
 
+        # refuse a model that cannot fit before minutes of building it
+        check_weights_fit(cfg, self.dtype, self.device, self.model_name, config.gpu_memory_utilization,
+                          shards=config.tensor_parallel_size)
         calib = None
         if config.ssm_calibration:
             if self.tokenizer is None:

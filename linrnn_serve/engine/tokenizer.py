@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import unicodedata
 from datetime import datetime
 from typing import Any
 
@@ -81,6 +82,8 @@ class Tokenizer:
         self.clean_up_spaces = bool(self.config.get("clean_up_tokenization_spaces", False))
         self._byte_level = _is_byte_level(tok)
         self._token_bytes: list[bytes | None] | None = None
+        self._max_token_bytes: int | None = None
+        self._nfc = False
         self._jinja = None
 
     # ---- loading ---------------------------------------------------------------------------
@@ -115,7 +118,39 @@ class Tokenizer:
 
     # ---- encode / decode -------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized in a
+        # worker thread then leaves the server's event loop running
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def min_tokens(self, text: str | list[str]) -> int:
+        """A lower bound on len(encode(text)) from the text's length alone, for refusing prompts that
+        cannot fit the context without tokenizing them (0 when no cheap bound holds). A token covers at
+        most `max_token_bytes` bytes of (NFC-normalized) text, so the tokens are at least
+        bytes / max_token_bytes. A list bounds any text that contains all its parts."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = self._longest_token_bytes()
+        if not self._max_token_bytes:
+            return 0
+        n = 0
+        for part in [text] if isinstance(text, str) else text:
+            if self._nfc:
+                part = unicodedata.normalize("NFC", part)
+            n += len(part.encode("utf-8", errors="surrogatepass"))
+        return -(-n // self._max_token_bytes)
+
+    def _longest_token_bytes(self) -> int:
+        """Bytes of text the longest token stands for; 0 when a normalizer may shrink text in ways
+        the bound cannot see (anything but none / NFC) or the tokenizer is not byte-level."""
+        try:
+            norm = json.loads(self.tok.to_str()).get("normalizer")
+        except Exception:
+            return 0
+        if not self._byte_level or (norm is not None and norm.get("type") != "NFC"):
+            return 0
+        self._nfc = norm is not None
+        longest = max((len(b) for b in self.token_bytes() if b is not None), default=0)
+        added = max((len(t.content.encode("utf-8")) for t in self.added.values()), default=0)
+        return max(longest, added, 1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         ids = [i for i in ids if 0 <= i <= self.max_id]

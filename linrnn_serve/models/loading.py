@@ -34,6 +34,71 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | str 
     return _DTYPES[dtype]
 
 
+class InsufficientMemoryError(RuntimeError):
+    """The model's weights cannot fit the device: refused before building it."""
+
+
+GiB = 1 << 30
+CPU_RUNTIME_BYTES = 512 << 20  # caches (budget.CPU_KV_BYTES), activations, allocator slack on the CPU
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Exact bytes of the model's parameters and buffers, from a build on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = build_model(cfg, dtype, torch.device("meta"), quant_plan(cfg))
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def cpu_available_bytes() -> int | None:
+    """Memory a new allocation can get: MemAvailable, bounded by a cgroup v2 limit; None if unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                left = int(limit) - int(f.read())
+            avail = left if avail is None else min(avail, left)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_weights_fit(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, name: str = "the model",
+                      gpu_memory_utilization: float = 0.9, shards: int = 1) -> int:
+    """Refuse (InsufficientMemoryError) a model whose weights cannot fit before spending minutes building
+    it: on the CPU, weights + CPU_RUNTIME_BYTES against available RAM (every rank of a sharded model is
+    on this machine); on a GPU, a 1/`shards` share of the weights (tensor parallel; replicated parts
+    make the real share a little larger) against total * gpu_memory_utilization minus what is already
+    in use. Returns the weight bytes."""
+    need = weight_bytes(cfg, dtype)
+    dt = str(dtype).replace("torch.", "")
+    if device.type == "cuda":
+        need = -(-need // max(shards, 1))
+        free, total = torch.cuda.mem_get_info(device)
+        usable = int(total * gpu_memory_utilization) - (total - free)
+        if need > usable:
+            raise InsufficientMemoryError(
+                f"{name} needs {need / GiB:.1f} GiB for its weights ({dt}{f', 1/{shards} per GPU' if shards > 1 else ''}) but the GPU has {max(usable, 0) / GiB:.1f} "
+                f"GiB usable ({total / GiB:.1f} GiB x gpu_memory_utilization {gpu_memory_utilization}, "
+                f"{(total - free) / GiB:.1f} GiB already in use); use a smaller or quantized model or a larger GPU")
+    elif device.type == "cpu":
+        avail = cpu_available_bytes()
+        if avail is not None and need + CPU_RUNTIME_BYTES > avail:
+            raise InsufficientMemoryError(
+                f"{name} needs {need / GiB:.1f} GiB for its weights ({dt} on the CPU) + "
+                f"{CPU_RUNTIME_BYTES / GiB:.1f} GiB to run, but the machine has {avail / GiB:.1f} GiB available; "
+                f"use a GPU (--device cuda) or a smaller model")
+    return need
+
+
 def quant_plan(cfg: ModelConfig):
     """The per-module storage formats a quantized checkpoint asks for (None: all dense)."""
     if not cfg.quantization:

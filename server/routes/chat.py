@@ -8,7 +8,8 @@ a call by structured decoding (server/tool_choice.py). response_format / structu
 constrain the output (engine/structured_output.py).
 
 `max_completion_tokens` wins over the deprecated `max_tokens`; with neither, generation may run to
-the context limit. `logprobs: true` returns each token's logprob, `top_logprobs: N` the N most
+the context limit (max_model_len - prompt tokens, as vLLM), or to --default-max-tokens if the server
+sets it (serving.apply_default_max_tokens). `logprobs: true` returns each token's logprob, `top_logprobs: N` the N most
 likely alternatives too (N <= 20).
 """
 from __future__ import annotations
@@ -33,8 +34,8 @@ from linrnn_server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoic
                                     TokenLogprob, TopLogprob, UsageInfo)
 from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, render_chat_prompt, sse_error, sse_frame
 from linrnn_server.tool_choice import ToolPlan, forced_calls, plan_tools
-from linrnn_server.serving import (Generation, check_model, check_prompt, clamp_logprob, new_id, parse_body,
-                                   sampling_params, state_of, until_disconnect, usage_info)
+from linrnn_server.serving import (Generation, apply_default_max_tokens, check_model, check_prompt, clamp_logprob,
+                                   new_id, parse_body, sampling_params, state_of, until_disconnect, usage_info)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -91,8 +92,10 @@ class ChatRun:
                                 self.tools.tools, self.prompt_text)
 
 
-def prepare_chat(eng: EngineClient, req: ChatCompletionRequest) -> ChatRun:
-    """Template, tools / tool_choice, constraints and sampling params of a chat request (4xx on bad input)."""
+async def prepare_chat(eng: EngineClient, req: ChatCompletionRequest) -> ChatRun:
+    """Template, tools / tool_choice, constraints and sampling params of a chat request (4xx on bad input).
+    The template is rendered and tokenized in worker threads (the event loop keeps serving); messages
+    too long for the context are refused before either."""
     cfg = eng.config
     params = _params(req, eng)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
@@ -107,10 +110,13 @@ def prepare_chat(eng: EngineClient, req: ChatCompletionRequest) -> ChatRun:
         template = resolve_chat_template(req.chat_template) if req.chat_template else eng.chat_template
     except ValueError as e:
         raise bad_request(str(e), "chat_template", "invalid_value") from None
-    text = render_chat_prompt(eng.require_tokenizer("messages"), req.messages, req.add_generation_prompt,
-                              req.continue_final_message, kwargs, tools=tools.tools, chat_template=template,
-                              documents=req.documents)
-    ids = eng.encode(text, add_special_tokens=False)
+    # the rendered prompt holds every message's text: one too long for the context is refused unrendered
+    reserve = req.max_new_tokens or 1
+    await eng.check_fits([m.text() or "" for m in req.messages], "messages", reserve)
+    text = await eng.run_blocking(render_chat_prompt, eng.require_tokenizer("messages"), req.messages,
+                                  req.add_generation_prompt, req.continue_final_message, kwargs, tools=tools.tools,
+                                  chat_template=template, documents=req.documents)
+    ids = await eng.encode_async(text, add_special_tokens=False, param="messages", reserve=reserve)
     return ChatRun(ids, params, text, tools, _get(cfg, "reasoning_parser"), _get(cfg, "tool_call_parser"))
 
 
@@ -135,8 +141,9 @@ async def create_chat_completion(request: Request):
     req = await parse_body(request, ChatCompletionRequest)
     req.check_neutral()
     model = check_model(state, req.model)
-    run = prepare_chat(eng, req)
+    run = await prepare_chat(eng, req)
     check_prompt(eng, run.ids, req.max_new_tokens, run.params, "messages")
+    apply_default_max_tokens(state, run.params, len(run.ids))
 
     gen = Generation(state, new_id("chatcmpl"), [run.ids], run.params)
     await until_disconnect(request, gen.start())

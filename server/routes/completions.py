@@ -6,6 +6,7 @@ tokens' logprobs, the first being null.
 """
 from __future__ import annotations
 
+import asyncio
 import codecs
 import logging
 import time
@@ -21,20 +22,21 @@ from linrnn_server.errors import APIError, bad_request, from_engine_error, inter
 from linrnn_server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                     UsageInfo)
 from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, sse_error, sse_frame
-from linrnn_server.serving import (Generation, check_model, check_prompt, clamp_logprob, new_id, parse_body,
-                                   sampling_params, state_of, until_disconnect, usage_info)
+from linrnn_server.serving import (Generation, apply_default_max_tokens, check_model, check_prompt, clamp_logprob,
+                                   new_id, parse_body, sampling_params, state_of, until_disconnect, usage_info)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-def _prompts(eng: EngineClient, prompt) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids and text (None for id prompts: decoded only if echoed) of each prompt."""
+async def _prompts(eng: EngineClient, prompt, reserve: int) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and text (None for id prompts: decoded only if echoed) of each prompt. Text is
+    tokenized off the event loop; one that cannot fit the context is refused before tokenizing."""
     if isinstance(prompt, str):
-        return [eng.encode(prompt)], [prompt]
+        return [await eng.encode_async(prompt, reserve=reserve)], [prompt]
     if not prompt:
         return [[]], [None]
     if isinstance(prompt[0], str):
-        return [eng.encode(p) for p in prompt], list(prompt)
+        return list(await asyncio.gather(*(eng.encode_async(p, reserve=reserve) for p in prompt))), list(prompt)
     if isinstance(prompt[0], int):
         return [list(prompt)], [None]
     return [list(p) for p in prompt], [None] * len(prompt)
@@ -90,7 +92,7 @@ async def create_completion(request: Request):
     req = await parse_body(request, CompletionRequest)
     req.check_neutral()
     model = check_model(state, req.model)
-    prompts, texts = _prompts(eng, req.prompt)
+    prompts, texts = await _prompts(eng, req.prompt, req.max_tokens or 1)
     echo_logprobs = req.echo and req.logprobs is not None
     # max_tokens=0 with echo scores the prompt (vLLM): one token is generated and dropped
     scoring = req.max_tokens == 0
@@ -102,6 +104,7 @@ async def create_completion(request: Request):
                              engine=eng)
     for ids in prompts:
         check_prompt(eng, ids, max_tokens, params, "prompt")
+    apply_default_max_tokens(state, params, max(map(len, prompts)))  # max_tokens: null (absent: 16, as OpenAI)
 
     gen = Generation(state, new_id("cmpl"), prompts, params)
     await until_disconnect(request, gen.start())

@@ -245,7 +245,7 @@ async def create_response(request: Request):
     except ValidationError as e:
         raise from_validation_error(e, ChatCompletionRequest.TYPE_HINTS) from None
     model = check_model(state, chat.model)
-    run = prepare_chat(eng, chat)
+    run = await prepare_chat(eng, chat)
     check_prompt(eng, run.ids, chat.max_new_tokens, run.params, "input")
     rid = new_id("resp")
     gen = Generation(state, rid, [run.ids], run.params)

@@ -23,12 +23,12 @@ async def tokenize(request: Request) -> TokenizeResponse:
     if req.messages is not None:
         if not req.messages:
             raise bad_request("'messages' is empty.", "messages")
-        text = render_chat_prompt(eng.tokenizer, req.messages, req.add_generation_prompt,
-                                  req.continue_final_message, req.chat_template_kwargs, tools=req.tools,
-                                  chat_template=eng.chat_template)
-        ids = eng.encode(text, add_special_tokens=False)
+        text = await eng.run_blocking(render_chat_prompt, eng.tokenizer, req.messages, req.add_generation_prompt,
+                                      req.continue_final_message, req.chat_template_kwargs, tools=req.tools,
+                                      chat_template=eng.chat_template)
+        ids = await eng.encode_async(text, add_special_tokens=False, param="messages")
     else:
-        ids = eng.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await eng.encode_async(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = [eng.token_str(t) for t in ids] if req.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=eng.max_model_len, tokens=ids, token_strs=strs)
 
