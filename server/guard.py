@@ -4,7 +4,8 @@
   Content-Length over the limit is refused before the app runs; a chunked body is cut off once it
   passes the limit. Either way the rest of the body is read and dropped (not kept) before the
   answer, since HTTP/1.1 clients read the response only after sending their whole request; the
-  connection is then closed.
+  connection is then closed. (A client that sent `Expect: 100-continue`, as curl does for large
+  bodies, gets the 413 without sending its body.)
 - While the server drains for shutdown (ServerState.draining), every request but /health and
   /metrics gets 503 (and /health itself answers 503, so balancers stop sending).
 """
@@ -44,9 +45,11 @@ class RequestGuard:
         limit = self.state.max_body_bytes
         if not limit:
             return await self.app(scope, receive, send)
-        declared = _content_length(scope)
+        declared = _header(scope, b"content-length")
+        declared = int(declared) if declared and declared.isdigit() else None
         if declared is not None and declared > limit:
-            await _discard(receive)
+            if _header(scope, b"expect") != b"100-continue":  # else the client waits and sends nothing
+                await _discard(receive)
             return await _respond(send, too_large(limit, declared), self.state)
 
         seen = 0
@@ -80,13 +83,10 @@ class RequestGuard:
         await self.app(scope, limited_receive, guarded_send)
 
 
-def _content_length(scope) -> int | None:
+def _header(scope, name: bytes) -> bytes | None:
     for k, v in scope.get("headers", ()):
-        if k == b"content-length":
-            try:
-                return int(v)
-            except ValueError:
-                return None
+        if k == name:
+            return v.strip().lower()
     return None
 
 
