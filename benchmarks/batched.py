@@ -418,6 +418,8 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
         max_num_seqs=shape["max_num_seqs"], max_num_batched_tokens=shape["max_num_batched_tokens"],
         max_model_len=shape["max_model_len"], enforce_eager=c.enforce_eager, ssm_bf16_tau=c.ssm_bf16_tau,
         tensor_parallel_size=c.tp, enable_expert_parallel=c.ep,
+        # the context is sized to the rows (timing, not quality): a small model's limit may be short
+        allow_long_max_model_len=True,
     ).create_engine_config()
     source = "reusing the loaded weights" if cached_model is not None else f"loading {c.model} ({c.load_format})"
     graphs = "all buckets" if shape["graph_sizes"] is None else shape["graph_sizes"]
