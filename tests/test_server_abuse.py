@@ -272,7 +272,7 @@ def test_sigterm_drains_64_streams():
 
     async def one(client: httpx.AsyncClient, i: int):
         res = results[i]
-        body = {"prompt": f"def task_{i}(x):", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body = {"prompt": f"def task_{i}(x):", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         async with client.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
             res["status"] = r.status_code
             async for line in r.aiter_lines():
