@@ -29,7 +29,7 @@ from test_server_e2e import ServerProcess, serve_cmd
 
 DRAIN_S = 6.0
 EMOJI = "héllo wörld 日本語 🎉"
-statuses: list[int] = []  # every status this file saw: none may be 5xx
+statuses: list[int] = []  # every status this file saw (but the 503s asked of a draining server): none 5xx
 
 
 def rss_bytes(pid: int) -> int:
@@ -297,8 +297,7 @@ def test_sigterm_drains_64_streams():
         time.sleep(0.3)
         try:
             late = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=10)
-            assert late.status_code == 503, late.text  # no new work while draining
-            statuses.append(late.status_code)
+            assert late.status_code == 503, late.text  # no new work while draining (the one 5xx wanted)
         except httpx.ConnectError:
             pass  # or the listener is already closed
         rc = srv.proc.wait(DRAIN_S + 30)
