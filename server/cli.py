@@ -194,8 +194,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        if getattr(engine, "is_running", False):  # the lifespan did not get to stop it
-            engine.shutdown_sync(timeout=5.0)
+        # stops the engine if the lifespan did not get to; else waits for its loop (and worker
+        # processes) to finish, before the os._exit below
+        engine.shutdown_sync(timeout=5.0)
         sock.close()
     if died.is_set():
         log.error("exiting: the engine stopped (see the error above)")
