@@ -34,7 +34,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from linrnn_serve.engine_args import EngineArgs
+    from linrnn_serve.engine_args import EngineArgs, _positive_int
     from linrnn_serve.presets import describe_presets
     from linrnn_server.serving import DEFAULT_MAX_REQUEST_BYTES
 
