@@ -1,13 +1,17 @@
 """The tuning knobs of the small-batch decode kernels, in one place.
 
-Switches (environment, read per call so a benchmark can flip them without code changes):
-  LINRNN_SKINNY_GEMM=0            never use the skinny GEMM: every projection goes to cuBLAS and every
-                                  fusion falls back to its unfused chain of kernels
+Switches (environment, read per call so a benchmark can flip them without code changes). The fusions are
+OFF by default: on the H200 (35B-A3B NVFP4 dummy, 5649a3a, benchmarks/results/batched/small_fused_ab/) they
+measured 4.37 / 8.94 ms per step at npl 1 / 8 against 4.09 / 5.47 ms unfused in the same run (444 vs 945
+launches per step): fewer launches, but slower kernels, until the per-shape table says where they win.
+  LINRNN_SKINNY_GEMM=1            use the skinny GEMM and the fused prologues / epilogues (default 0: every
+                                  projection goes to cuBLAS and every fusion runs as its unfused chain)
   LINRNN_SKINNY_MAX_M=N           largest batch (rows) sent to the skinny GEMM (default 32)
   LINRNN_SKINNY_TABLE=path.json   per-shape overrides, as written by tools/gpu_small.sh:
                                   {"N,K,fmt": {"max_m": 8, "1": [block_n, block_k, split_k, warps, stages, dot], ...}}
                                   (max_m: the largest M where the kernel beat cuBLAS; 0 = off for that shape)
-  LINRNN_FUSED_ROUTER=0           the router's gate GEMM, softmax / top-k and expert alignment as separate kernels
+  LINRNN_FUSED_ROUTER=1           the router's gate GEMM, softmax / top-k and expert alignment in one launch
+                                  (default 0: separate kernels)
   LINRNN_PDL=1                    programmatic dependent launch for these kernels (sm_90+, default off
                                   until measured)
 
@@ -97,7 +101,7 @@ def _table_entry(N: int, K: int, fmt: str, M: int) -> SkinnyConfig | None:
 
 def skinny_enabled(M: int, N: int, K: int, fmt: str) -> bool:
     """Whether a projection of M rows goes to the skinny GEMM (else cuBLAS / the unfused chain)."""
-    if os.environ.get("LINRNN_SKINNY_GEMM", "1") == "0" or fmt not in ("dense", "fp8"):
+    if os.environ.get("LINRNN_SKINNY_GEMM", "0") == "0" or fmt not in ("dense", "fp8"):
         return False
     limit = min(int(os.environ.get("LINRNN_SKINNY_MAX_M", MAX_M)), MAX_M)
     t = _table(N, K, fmt)
@@ -107,7 +111,7 @@ def skinny_enabled(M: int, N: int, K: int, fmt: str) -> bool:
 
 
 def fused_router_enabled() -> bool:
-    return os.environ.get("LINRNN_FUSED_ROUTER", "1") != "0"
+    return os.environ.get("LINRNN_FUSED_ROUTER", "0") != "0"
 
 
 def pdl_available(device) -> bool:
