@@ -14,21 +14,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, T, E,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    col = tl.arange(0, BLOCK_E)
-    tok_ok = tok < T
-    logits = tl.load(logits_ptr + tok[:, None].to(tl.int64) * stride_lt + col[None, :],
-                     mask=tok_ok[:, None] & (col < E)[None, :], other=float("-inf")).to(tl.float32)
-    # rows past T read -inf everywhere: keep their max and sum finite so they stay NaN-free
-    row_max = tl.where(tok_ok, tl.max(logits, axis=1), 0.0)
+def softmax_topk(logits, row_ok, col, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """f32 softmax over each row of `logits` [rows, BLOCK_E] (-inf where masked), then top-k as k rounds
+    of argmax-and-mask; returns (weights [rows, BLOCK_K], ids, slot index). Shared with the fused router."""
+    # rows past the end read -inf everywhere: keep their max and sum finite so they stay NaN-free
+    row_max = tl.where(row_ok, tl.max(logits, axis=1), 0.0)
     p = tl.exp(logits - row_max[:, None])
-    p = p / tl.where(tok_ok, tl.sum(p, axis=1), 1.0)[:, None]
+    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
     slot = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-    top_i = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    top_w = tl.zeros((logits.shape[0], BLOCK_K), tl.float32)
+    top_i = tl.zeros((logits.shape[0], BLOCK_K), tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.argmax(p, axis=1, tie_break_left=True)
         best_p = tl.max(p, axis=1)
@@ -37,7 +32,20 @@ def _route_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, T, E,
         # probabilities are >= 0 and padded experts are 0, so -1 removes the winner for good
         p = tl.where(col[None, :] == best[:, None], -1.0, p)
     if RENORMALIZE:
-        top_w = top_w / tl.where(tok_ok, tl.sum(top_w, axis=1), 1.0)[:, None]
+        top_w = top_w / tl.where(row_ok, tl.sum(top_w, axis=1), 1.0)[:, None]
+    return top_w, top_i, slot
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, T, E,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    col = tl.arange(0, BLOCK_E)
+    tok_ok = tok < T
+    logits = tl.load(logits_ptr + tok[:, None].to(tl.int64) * stride_lt + col[None, :],
+                     mask=tok_ok[:, None] & (col < E)[None, :], other=float("-inf")).to(tl.float32)
+    top_w, top_i, slot = softmax_topk(logits, tok_ok, col, TOP_K, RENORMALIZE, BLOCK_K)
     out = tok[:, None].to(tl.int64) * TOP_K + slot[None, :]
     out_mask = tok_ok[:, None] & (slot < TOP_K)[None, :]
     tl.store(weights_ptr + out, top_w, mask=out_mask)

@@ -31,6 +31,7 @@ from linrnn_kernels.gemv.skinny import (
     tickets,
 )
 from linrnn_kernels.moe.align import max_padded_pairs
+from linrnn_kernels.moe.router import softmax_topk
 
 MAX_PAIRS = 512  # rows x top_k routed in the single finishing program
 
@@ -43,20 +44,7 @@ def _route_rows(lg_ptr, slg, w_ptr, ids_ptr, M, E, TOP_K: tl.constexpr, RENORMAL
     m_ok = rows < M
     logits = tl.load(lg_ptr + rows[:, None] * slg + col[None, :], mask=m_ok[:, None] & (col < E)[None, :],
                      other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-    row_max = tl.where(m_ok, tl.max(logits, axis=1), 0.0)
-    p = tl.exp(logits - row_max[:, None])
-    p = p / tl.where(m_ok, tl.sum(p, axis=1), 1.0)[:, None]
-    slot = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-    top_i = tl.zeros((BLOCK_M, BLOCK_K), tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.argmax(p, axis=1, tie_break_left=True)
-        best_p = tl.max(p, axis=1)
-        top_w = tl.where(slot[None, :] == j, best_p[:, None], top_w)
-        top_i = tl.where(slot[None, :] == j, best[:, None].to(tl.int32), top_i)
-        p = tl.where(col[None, :] == best[:, None], -1.0, p)
-    if RENORMALIZE:
-        top_w = top_w / tl.where(m_ok, tl.sum(top_w, axis=1), 1.0)[:, None]
+    top_w, top_i, slot = softmax_topk(logits, m_ok, col, TOP_K, RENORMALIZE, BLOCK_K)
     out = rows[:, None] * TOP_K + slot[None, :]
     omask = m_ok[:, None] & (slot < TOP_K)[None, :]
     tl.store(w_ptr + out, top_w.to(w_ptr.dtype.element_ty), mask=omask)

@@ -58,21 +58,8 @@ class CheckpointReader:
 
     def iter_tensors(self):
         """Yield (name, tensor, file) grouped by file, one tensor at a time."""
-        by_file = defaultdict(list)
-        for n, fn in self.file_of.items():
-            by_file[fn].append(n)
-        for fn in sorted(by_file):
-            with self._open(fn) as f:
-                present = set(f.keys())
-                for n in by_file[fn]:
-                    if n not in present:
-                        raise CheckpointError(f"{os.path.join(self.path, fn)}: tensor {n} listed in {INDEX} "
-                                              f"is not in the file")
-                    try:
-                        t = f.get_tensor(n)
-                    except Exception as e:
-                        raise CheckpointError(f"{os.path.join(self.path, fn)}: cannot read tensor {n} ({e})") from e
-                    yield n, t, fn
+        for n, lazy, fn in self.iter_lazy():
+            yield n, lazy.read(), fn
 
     def iter_lazy(self):
         """Yield (name, LazyTensor, file) like iter_tensors, without reading: the caller reads the
