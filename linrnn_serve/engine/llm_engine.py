@@ -26,6 +26,7 @@ from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
 from linrnn_serve.engine.outputs import CompletionOutput, EngineFullError, PromptTooLongError, RequestOutput
 from linrnn_serve.engine.structured_output import StructuredOutputs
+from linrnn_serve.engine import warmup
 from linrnn_serve.engine.tokenizer import Tokenizer
 from linrnn_serve.generation_config import default_sampling_params
 from linrnn_serve.models.loading import check_weights_fit, resolve_device, resolve_dtype
@@ -133,6 +134,8 @@ class LLMEngine:
         self.capture_logits = False  # tests: keep a copy of every step's logits per (request, sample, position)
         self.logits_log: dict[tuple[str, int, int], torch.Tensor] = {}
 
+        if warmup.enabled(self.device):
+            warmup.warm_up(self)
         d = self.executor.describe()
         log.info("model %s (%s, %d layers: %d GDN + %d attention; %d experts top-%d), %s on %s, weights %.2f GiB "
                  "loaded in %.1f s", self.model_name, cfg.model_type, cfg.num_hidden_layers, len(cfg.gdn_layers),
@@ -311,6 +314,8 @@ class LLMEngine:
         """One engine step; the requests with new output (finished ones included)."""
         plan = self.last_plan = self.scheduler.schedule()
         if plan.empty:
+            if plan.snapshot_saves_before:  # finished sequences' prefix-cache snapshots: taken before the slots are reused
+                self.executor.execute(plan)
             return []
         constrained = self.structured.constraints
         if constrained and (any(r.sampling.seq_id in constrained for r in plan.decode) or any(
@@ -361,6 +366,19 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
                              prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
                              metrics=metrics, num_cached_tokens=req.num_cached_tokens)
+
+    def drain_snapshot_saves(self) -> None:
+        """Take the finish snapshots still pending (they normally ride on the next step)."""
+        if self.prefix_cache is not None and not self.has_unfinished_requests():
+            self.step_requests()
+
+    def reset_stats(self) -> None:
+        """Counters and histograms back to zero (after the start-up warm-up)."""
+        self.scheduler.stats = type(self.scheduler.stats)()
+        if self.prefix_cache is not None:
+            self.prefix_cache.stats = type(self.prefix_cache.stats)()
+        self.metrics = EngineMetrics()
+        self.num_steps = 0
 
     # ---- introspection -------------------------------------------------------------------------
     def check_integrity(self) -> None:
