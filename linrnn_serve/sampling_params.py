@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from linrnn_serve.engine.errors import SamplingParamError
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -109,9 +111,3 @@ class SamplingParams:
                                           f"{self.truncate_prompt_tokens!r}")
         if any(not isinstance(w, str) or not w for w in self.bad_words):
             bad("bad_words", "bad_words must be non-empty strings")
-
-
-class SamplingParamError(ValueError):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param

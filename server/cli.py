@@ -160,11 +160,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     try:
-        from linrnn_serve.engine.async_engine import AsyncLLMEngine
+        from linrnn_serve.engine.core_client import start_engine_client
 
-        # in process for now: the core-process client (engine/core_client.py, AsyncMPClient) does not yet
-        # carry the request extras (structured output, bad_words, truncation) across the process boundary
-        engine = AsyncLLMEngine.from_config(config)
+        # the engine core in its own process (LINRNN_ENABLE_MULTIPROCESSING=0: in this one)
+        engine = start_engine_client(config, log_level=logging.getLogger().getEffectiveLevel())
     except KeyboardInterrupt:
         sock.close()
         return 130

@@ -11,8 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from linrnn_serve.engine.outputs import EngineFullError, PromptTooLongError
-from linrnn_serve.sampling_params import SamplingParamError
+from linrnn_serve.engine.errors import EngineDeadError, EngineFullError, RequestError
 
 
 class APIError(Exception):
@@ -107,18 +106,15 @@ def from_validation_error(e: ValidationError, type_hints: dict[str, str] | None 
     return bad_request(f"Invalid value for '{param}': {err['msg']} (got {got_s}).", param, "invalid_value")
 
 
-def from_engine_error(e: BaseException, at_submit: bool = False) -> APIError | None:
-    """Engine exceptions a client can cause; None for anything else (a real server error).
-    `at_submit`: raised while the request was being queued, where a plain ValueError is the engine's
-    validation of the request (empty prompt, unknown token id, n too large)."""
+def from_engine_error(e: BaseException, param_names: dict[str, str] | None = None) -> APIError | None:
+    """The engine's typed errors (engine/errors.py) as OpenAI errors; None for anything else (a real
+    server error). `param_names` renames the engine's parameter names to the route's request fields
+    (chat: "prompt" -> "messages")."""
     if isinstance(e, EngineFullError):
         return server_full(str(e))
-    if isinstance(e, PromptTooLongError):
-        return bad_request(str(e), None, "context_length_exceeded")
-    if isinstance(e, SamplingParamError):
-        return bad_request(str(e), e.param, "invalid_value")
-    if type(e).__name__ == "EngineDeadError":  # engine.async_engine, not imported here (it pulls in torch)
+    if isinstance(e, EngineDeadError):
         return APIError(f"The engine is not running: {e}", 503, "service_unavailable_error", None, "engine_dead")
-    if at_submit and isinstance(e, ValueError):
-        return bad_request(str(e), getattr(e, "param", None), "invalid_value")
+    if isinstance(e, RequestError):
+        param = e.param
+        return bad_request(str(e), (param_names or {}).get(param, param), e.code)
     return None

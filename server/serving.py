@@ -123,8 +123,9 @@ def check_model(state: ServerState, name: str | None) -> str:
 
 def sampling_params(req, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None, engine: EngineClient | None = None) -> SamplingParams:
-    """SamplingParams from the fields /v1/completions and /v1/chat/completions share, validated. Fields
-    the request leaves unset take the engine's generation-config defaults, then the OpenAI ones."""
+    """SamplingParams from the fields /v1/completions and /v1/chat/completions share. Fields the request
+    leaves unset take the engine's generation-config defaults, then the OpenAI ones. The engine checks
+    them (engine/validation.py; its typed errors become 400s in Generation.start)."""
     defaults = engine.default_sampling_params if engine is not None else {}
 
     def val(v, default, name=None):
@@ -150,12 +151,6 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
     p.truncate_prompt_tokens = req.truncate_prompt_tokens
     if req.prompt_logprobs is not None and p.prompt_logprobs is None:
         p.prompt_logprobs = req.prompt_logprobs
-    if req.top_k is not None and req.top_k < -1:
-        raise bad_request(f"top_k must be -1, 0 or positive, got {req.top_k}", "top_k", "invalid_value")
-    try:
-        p.validate(engine.max_logprobs if engine is not None else None)
-    except SamplingParamError as e:
-        raise bad_request(str(e), e.param, "invalid_value") from None
     return p
 
 
@@ -216,28 +211,6 @@ def structured_outputs_of(req) -> StructuredOutputsParams | None:
     return so
 
 
-def check_prompt(engine: EngineClient, ids: list[int], max_tokens: int | None, params: SamplingParams,
-                 what: str) -> None:
-    """Refuse prompts the engine cannot run: empty, unknown token ids, or too long for the context."""
-    if not ids:
-        raise bad_request(f"The {what} is empty (it has no tokens).", what, "invalid_value")
-    bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None) if engine.vocab_size else None
-    if bad is not None:
-        raise bad_request(f"Token id {bad} in the {what} is out of range (the vocabulary has "
-                          f"{engine.vocab_size} tokens).", what, "invalid_value")
-    limit = engine.max_model_len
-    want = len(ids) + (max_tokens or 1)
-    if want > limit:
-        detail = (f"{len(ids)} in the {what}, {max_tokens} in the completion" if max_tokens
-                  else f"{len(ids)} in the {what}, at least 1 in the completion")
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested {want} "
-                          f"tokens ({detail}). Please reduce the length of the {what} or completion.",
-                          what if len(ids) >= limit or not max_tokens else "max_tokens", "context_length_exceeded")
-    if params.n > engine.max_num_seqs:
-        raise bad_request(f"n={params.n} exceeds this server's --max-num-seqs ({engine.max_num_seqs})", "n",
-                          "invalid_value")
-
-
 def apply_default_max_tokens(state: ServerState, params: SamplingParams, prompt_len: int) -> None:
     """The policy for a request that sets no max_tokens (README "Limits"): it may generate up to the
     context limit, max_model_len - prompt tokens (vLLM's rule), capped at --default-max-tokens when
@@ -273,13 +246,16 @@ async def until_disconnect(request: Request, coro):
 class Generation:
     """One HTTP request: one engine request per prompt, each with `params.n` samples.
 
-    `start()` submits them all and waits for each one's first output, so that refusals (queue full,
-    prompt too long) become HTTP errors before a stream's 200 header is sent. `outputs()` then
+    `start()` submits them all and waits for each one's first output, so that refusals (the engine's
+    validation, queue full) become HTTP errors before a stream's 200 header is sent. `outputs()` then
     yields `(prompt_index, cumulative RequestOutput)` as they arrive from any prompt.
     """
 
-    def __init__(self, state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams):
+    def __init__(self, state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
+                 param_names: dict[str, str] | None = None):
         self.state, self.base_id, self.prompts, self.params = state, base_id, prompts, params
+        # the engine names SamplingParams fields and "prompt"; this route's request may call them otherwise
+        self.param_names = param_names or {}
         self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         self._iters: list[AsyncIterator[RequestOutput]] = []
         self._first: list[RequestOutput] = []
@@ -304,7 +280,7 @@ class Generation:
             for e in errors:
                 if isinstance(e, StopAsyncIteration):
                     continue
-                mapped = from_engine_error(e, at_submit=True)
+                mapped = from_engine_error(e, self.param_names)
                 if mapped is not None:
                     raise mapped
             e = next((e for e in errors if not isinstance(e, StopAsyncIteration)), None)

@@ -13,7 +13,7 @@ PACKAGES = {"linrnn_kernels": "kernels", "linrnn_serve": "linrnn_serve", "linrnn
 RANK = {
     "linrnn_kernels": 0,
     "linrnn_serve.config": 1, "linrnn_serve.batch": 1, "linrnn_serve.sampling_params": 1,
-    "linrnn_serve.engine.outputs": 1, "linrnn_serve.byte_level": 1, "linrnn_serve.parallel": 1,
+    "linrnn_serve.engine.outputs": 1, "linrnn_serve.engine.errors": 1, "linrnn_serve.byte_level": 1, "linrnn_serve.parallel": 1,
     "linrnn_serve.engine_args": 1, "linrnn_serve.generation_config": 1,
     "linrnn_serve.cache": 2, "linrnn_serve.layers": 2,
     "linrnn_serve.checkpoint": 3, "linrnn_serve.models": 3, "linrnn_serve.classifier": 4,

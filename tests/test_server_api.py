@@ -10,16 +10,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from linrnn_serve.config import EngineConfig
-from linrnn_serve.engine.outputs import CompletionOutput, EngineFullError, RequestOutput
+from linrnn_serve.engine.errors import EngineDeadError, EngineFullError
+from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
+from linrnn_serve.engine.validation import RequestLimits, validate_request
 from linrnn_serve.sampling_params import SamplingParams
 from linrnn_server.app import build_app
 
 MODEL_VOCAB = 300  # the fake tokenizer knows ids 0..256 only (like a padded real vocabulary)
 EOS = 256
-
-
-class EngineDeadError(RuntimeError):  # same name as linrnn_serve.engine.async_engine's
-    pass
 
 
 class FakeTokenizer:
@@ -90,7 +88,7 @@ class FakeEngine:
             raise EngineDeadError("the engine loop stopped")
         if self.full:
             raise EngineFullError("the waiting queue is full (1 requests); retry later")
-        params.validate()
+        prompt = validate_request(prompt, params, RequestLimits(MODEL_VOCAB, self.max_model_len, 4))  # engine's
         self.submitted.append((request_id, list(prompt), params))
         for _ in range(2000):  # bounded wait on the gate
             if self.gate.is_set():

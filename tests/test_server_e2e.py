@@ -354,7 +354,7 @@ def test_full_server_queues_then_refuses_with_503():
                            json={"prompt": key, "max_tokens": max_tokens, "ignore_eos": True})
             results[key] = (r.status_code, r.json())
 
-        first = threading.Thread(target=run, args=("first", 150))
+        first = threading.Thread(target=run, args=("first", 1000))  # still running when "third" comes
         first.start()
         deadline = time.monotonic() + 60
         while metrics(srv)["linrnn:num_requests_running"] < 1 and time.monotonic() < deadline:
@@ -369,7 +369,7 @@ def test_full_server_queues_then_refuses_with_503():
         assert "queue" in r.json()["error"]["message"]
         first.join(120)
         second.join(120)
-        assert results["first"][0] == 200 and results["first"][1]["usage"]["completion_tokens"] == 150
+        assert results["first"][0] == 200 and results["first"][1]["usage"]["completion_tokens"] == 1000
         assert results["second"][0] == 200 and results["second"][1]["usage"]["completion_tokens"] == 4
         assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "again", "max_tokens": 2},
                           timeout=30).status_code == 200

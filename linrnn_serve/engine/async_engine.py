@@ -9,9 +9,9 @@ a command queue (add / abort) and per-request output slots:
 
 Outputs are cumulative, so a slow consumer only ever needs the newest one: each request keeps the
 latest output and an event, never a growing queue. Leaving the `async for` early (client gone,
-task cancelled) aborts the request. Validation that can fail (sampling params, tokenization,
-prompt length, queue full) happens in the caller before anything is queued, so `generate` raises
-SamplingParamError / ValueError / PromptTooLongError / EngineFullError at its first iteration.
+task cancelled) aborts the request. The request is validated (engine/validation.py) in the caller
+before anything is queued, so `generate` raises RequestError (SamplingParamError, PromptTooLongError,
+...) / EngineFullError at its first iteration.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from typing import AsyncIterator
 
 from linrnn_serve.config import EngineConfig
 from linrnn_serve.engine.llm_engine import LLMEngine
-from linrnn_serve.engine.outputs import EngineDeadError, EngineFullError, RequestOutput
+from linrnn_serve.engine.errors import EngineDeadError, EngineFullError, RequestError
+from linrnn_serve.engine.outputs import RequestOutput
 from linrnn_serve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -131,17 +132,13 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is shutting down" if self._dead is None else
                                   f"the engine loop stopped: {self._dead!r}")
         params = params if params is not None else SamplingParams()
-        params.validate(self.engine.config.max_logprobs)
         eng = self.engine
         text, ids = eng.tokenize_prompt(prompt)
-        ids = eng.prepare_request(ids, params)  # may compile a grammar: StructuredOutputError -> 400
-        eng.check_prompt(len(ids), params)
-        if params.n > eng.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={eng.config.max_num_seqs}")
+        ids = eng.validate_request(ids, params)  # may compile a grammar (engine/validation.py)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise RequestError(f"request id {request_id!r} is already in use", "request_id")
             if eng.scheduler.num_waiting_requests + self._pending_adds >= eng.config.max_queue_len:
                 raise EngineFullError(f"the waiting queue is full ({eng.config.max_queue_len} requests); retry later")
             self._streams[request_id] = stream
@@ -254,8 +251,7 @@ class AsyncLLMEngine:
                 if not live:  # the client left before we got to it
                     continue
                 try:
-                    eng.add_request(rid, text if text is not None else ids, params, arrival_time=arrival,
-                                    prompt_token_ids=ids)
+                    eng.add_validated_request(rid, text, ids, params, arrival)
                 except Exception as e:  # raced past the caller-side checks (e.g. queue filled up)
                     self._deliver(rid, e)
             elif cmd[0] == "abort":

@@ -22,9 +22,11 @@ import os
 import pickle
 import time
 
+import msgspec
+
 from linrnn_serve.engine.metrics import Histogram
 from linrnn_serve.engine.protocol import (
-    STATS_INTERVAL_S, AbortRequest, AddRequest, ErrorInfo, RequestDelta, SeqDelta, Shutdown, StepOutputs,
+    STATS_FRESH_S, STATS_INTERVAL_S, AbortRequest, AddRequest, ErrorInfo, RequestDelta, SeqDelta, Shutdown, StepOutputs,
     client_decoder, encoder,
 )
 
@@ -36,7 +38,7 @@ STEP_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 
 
 
 def error_info(e: BaseException) -> ErrorInfo:
-    return ErrorInfo(type(e).__name__, str(e), getattr(e, "param", None))
+    return ErrorInfo(type(e).__name__, str(e), getattr(e, "param", None), getattr(e, "code", None))
 
 
 class EngineCore:
@@ -46,11 +48,12 @@ class EngineCore:
         self.engine = engine
         self._sent: dict[str, list[int]] = {}  # request id -> tokens sent per sample
         self._plp_sent: dict[str, int] = {}  # request id -> prompt-logprob entries sent
+        self._new_prompt: dict[str, list[int]] = {}  # request id -> its prompt ids as the engine runs them
 
         # wall time of the core loop's iterations that ran a step with decode rows only (receive,
         # schedule, execute, postprocess, deltas, send): with a stubbed forward, the host time per step
         self.loop_stats = {"core_decode_steps_total": 0, "core_decode_rows_total": 0,
-                           "core_decode_step_seconds_total": 0.0}
+                           "core_decode_step_seconds_total": 0.0, "integrity_failures_total": 0}
         self.step_hist = Histogram(STEP_BUCKETS)
 
     @property
@@ -69,13 +72,15 @@ class EngineCore:
     def add(self, msg: AddRequest) -> RequestDelta | None:
         """Queue a request; a delta carrying the error when it is refused."""
         try:
-            self.engine.add_request(msg.request_id, msg.prompt if msg.prompt is not None else msg.prompt_token_ids,
-                                    msg.params, arrival_time=msg.arrival_time,
-                                    prompt_token_ids=msg.prompt_token_ids)
+            req = self.engine.add_request(msg.request_id, msg.prompt if msg.prompt is not None else
+                                          msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time,
+                                          prompt_token_ids=msg.prompt_token_ids)
         except Exception as e:  # a refusal the client turns back into the same exception type
             return RequestDelta(msg.request_id, [], finished=True, error=error_info(e))
         self._sent[msg.request_id] = [0] * msg.params.n
         self._plp_sent[msg.request_id] = 1  # entry 0 (None) is implied
+        if req.prompt_token_ids != msg.prompt_token_ids:  # truncate_prompt_tokens
+            self._new_prompt[msg.request_id] = req.prompt_token_ids
         return None
 
     def abort(self, request_id: str) -> RequestDelta | None:
@@ -113,7 +118,9 @@ class EngineCore:
         if finished:
             self._sent.pop(rid, None)
             self._plp_sent.pop(rid, None)
-        return RequestDelta(rid, seqs, finished, plp, req.first_token_time, req.finished_time)
+        return RequestDelta(rid, seqs, finished, plp, req.first_token_time, req.finished_time,
+                            prompt_token_ids=self._new_prompt.pop(rid, None) if self._new_prompt else None,
+                            num_cached_tokens=req.num_cached_tokens)
 
 
 def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = logging.INFO,
@@ -150,13 +157,15 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
         "model_name": engine.model_name, "model_config": engine.model_config, "config": engine.config,
         "max_model_len": engine.max_model_len, "tokenizer_dir": getattr(tok, "path", None) if tok else None,
         "eos_token_ids": engine.eos_token_ids, "kv_capacity_tokens": engine.scheduler.kv_capacity_tokens,
-        "describe": engine.describe(), "pid": os.getpid()}))
+        "describe": engine.describe(), "pid": os.getpid(),
+        "default_sampling_params": engine.default_sampling_params}))
     core = EngineCore(engine)
     gc.collect()
     gc.freeze()  # the model and caches' Python objects never become garbage: keep them out of every GC pass
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    next_stats = 0.0
+    next_stats = last_stats = 0.0
+    last_queues = (0, 0)
     checked_idle = True
     stop = False
     try:
@@ -168,9 +177,16 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             if poller.poll(0 if busy else 100):
                 while True:
                     try:
-                        msg = client_decoder.decode(pull.recv(zmq.NOBLOCK))
+                        data = pull.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    try:
+                        msg = client_decoder.decode(data)
+                    except msgspec.ValidationError as e:  # a malformed message must not take the core down
+                        d = undecodable(data, e)
+                        if d is not None:
+                            deltas.append(d)
+                        continue
                     if isinstance(msg, AddRequest):
                         d = core.add(msg)
                     elif isinstance(msg, AbortRequest):
@@ -189,19 +205,27 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
                 n_before = len(deltas)
                 deltas += core.step()
                 stepped = len(deltas) > n_before
-            elif not checked_idle:
-                checked_idle = True
-                if idle_integrity_check:
-                    try:
-                        engine.check_integrity()
-                    except RuntimeError:  # a bookkeeping bug: loud, but keep serving
-                        log.exception("idle integrity check failed")
+            elif not stop:
+                engine.check_health()  # a lost tensor-parallel worker stops the core even while idle
+                if not checked_idle:
+                    checked_idle = True
+                    if idle_integrity_check:
+                        try:
+                            engine.check_integrity()
+                        except RuntimeError:  # a bookkeeping bug: loud, but keep serving
+                            log.exception("idle integrity check failed")
+                            core.loop_stats["integrity_failures_total"] += 1
             now = time.monotonic()
             stats = None
+            sched = engine.scheduler
+            queues = (sched.num_waiting_requests, sched.num_running_seqs)
+            if queues != last_queues:  # queue gauges follow a change within STATS_FRESH_S
+                next_stats = min(next_stats, last_stats + STATS_FRESH_S)
+                last_queues = queues
             if now >= next_stats:
                 stats = engine.stats()
                 stats.update(core.stats)
-                next_stats = now + STATS_INTERVAL_S
+                last_stats, next_stats = now, now + STATS_INTERVAL_S
             if deltas or stats is not None:
                 push.send(encoder.encode(StepOutputs(deltas, stats)))
             if stepped:
@@ -217,9 +241,26 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             pass
         raise
     finally:
+        try:
+            engine.shutdown()  # stops tensor-parallel worker processes
+        except Exception:  # noqa: BLE001 -- best effort: the core is exiting anyway
+            log.exception("engine shutdown failed")
         push.close()
         pull.close(linger=0)
         ctx.term()
+
+
+def undecodable(data: bytes, e: Exception) -> RequestDelta | None:
+    """A client message that does not fit the protocol (a client bug): its request, if it names one, is
+    refused with the decoding error; the core keeps serving."""
+    log.error("undecodable client message: %s", e)
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, list) and len(raw) > 1 and raw[0] == "add" and isinstance(raw[1], str):
+        return RequestDelta(raw[1], [], finished=True, error=ErrorInfo("RequestError", f"malformed request: {e}"))
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

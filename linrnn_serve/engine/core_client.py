@@ -1,6 +1,7 @@
 """AsyncMPClient: the API server's handle on an engine core running in its own process.
 
     client = AsyncMPClient(EngineConfig(model="default"))   # spawns the core, waits until it is ready
+    client = start_engine_client(config)   # the same, or in process with LINRNN_ENABLE_MULTIPROCESSING=0
     async for out in client.generate(prompt_ids, params, request_id):   # cumulative RequestOutputs
         ...
     await client.abort(request_id); client.stats(); client.is_running; await client.shutdown()
@@ -35,24 +36,18 @@ from typing import AsyncIterator
 import zmq
 
 from linrnn_serve.config import EngineConfig
-from linrnn_serve.engine.outputs import (CompletionOutput, EngineDeadError, EngineFullError, PromptTooLongError,
-                                         RequestOutput)
+from linrnn_serve.engine.errors import EngineDeadError, RequestError, rebuild
+from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
 from linrnn_serve.engine.protocol import (AbortRequest, AddRequest, ErrorInfo, RequestDelta, Shutdown,
                                           encoder, outputs_decoder)
 from linrnn_serve.engine.tokenizer import Tokenizer
-from linrnn_serve.sampling_params import SamplingParamError, SamplingParams
+from linrnn_serve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_ERRORS = {"EngineFullError": EngineFullError, "PromptTooLongError": PromptTooLongError,
-           "EngineDeadError": EngineDeadError, "ValueError": ValueError}
-
-
 def rebuild_error(info: ErrorInfo) -> BaseException:
-    """The core's exception as the same type here (unknown types: RuntimeError)."""
-    if info.kind == "SamplingParamError":
-        return SamplingParamError(info.param, info.message)
-    return _ERRORS.get(info.kind, RuntimeError)(info.message)
+    """The core's exception as the same type here (engine/errors.py)."""
+    return rebuild(info.kind, info.message, info.param, info.code)
 
 
 def visible_text(text: str, params: SamplingParams, finished: bool) -> str:
@@ -81,9 +76,9 @@ class _RequestState:
     def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, prompt: str | None, prompt_ids: list[int],
                  params: SamplingParams, arrival_time: float, tokenizer: Tokenizer | None):
         self.loop, self.request_id, self.prompt, self.prompt_ids = loop, request_id, prompt, prompt_ids
-        self.params, self.arrival_time = params, arrival_time
-        self.seqs = [_Seq(tokenizer.detokenizer(prompt_ids, params) if tokenizer else None, params.logprobs is not None)
-                     for _ in range(params.n)]
+        self.params, self.arrival_time, self.tokenizer = params, arrival_time, tokenizer
+        self.seqs: list[_Seq] | None = None  # made at the first delta (the core may truncate the prompt)
+        self.num_cached_tokens = 0
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.finished = False
         self.first_token_time: float | None = None
@@ -99,6 +94,13 @@ class _RequestState:
                 return
             if d.error is not None:
                 self.error = rebuild_error(d.error)
+            if d.prompt_token_ids is not None:
+                self.prompt_ids = d.prompt_token_ids
+            if self.seqs is None:
+                tok, p = self.tokenizer, self.params
+                self.seqs = [_Seq(tok.detokenizer(self.prompt_ids, p) if tok else None, p.logprobs is not None)
+                             for _ in range(p.n)]
+            self.num_cached_tokens = d.num_cached_tokens
             for sd in d.seqs:
                 s = self.seqs[sd.index]
                 s.token_ids += sd.token_ids
@@ -142,17 +144,37 @@ class _RequestState:
                 return self.error
             outs = [CompletionOutput(i, visible_text(s.text, self.params, s.finish_reason is not None),
                                      list(s.token_ids), list(s.logprobs) if s.logprobs is not None else None,
-                                     s.finish_reason, s.stop_reason) for i, s in enumerate(self.seqs)]
+                                     s.finish_reason, s.stop_reason) for i, s in enumerate(self.seqs or ())]
             return RequestOutput(
                 self.request_id, self.prompt, self.prompt_ids, outs, self.finished,
                 prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
                 metrics={"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
-                         "finished_time": self.finished_time})
+                         "finished_time": self.finished_time}, num_cached_tokens=self.num_cached_tokens)
 
 
 def _wake(states: list[_RequestState]) -> None:  # on the consumers' event loop
     for st in states:
         st.event.set()
+
+
+MULTIPROCESSING_ENV = "LINRNN_ENABLE_MULTIPROCESSING"  # 0: the core in the server's process (vLLM's
+# VLLM_ENABLE_V1_MULTIPROCESSING=0 is read too), for debugging with one process
+
+
+def core_in_own_process() -> bool:
+    v = os.environ.get(MULTIPROCESSING_ENV, os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+def start_engine_client(config: EngineConfig, log_level: int | None = None):
+    """What the API server talks to: an AsyncMPClient (the engine core in its own process) by default,
+    the in-process AsyncLLMEngine (a step-loop thread) with LINRNN_ENABLE_MULTIPROCESSING=0."""
+    if core_in_own_process():
+        return AsyncMPClient(config, log_level=log_level)
+    from linrnn_serve.engine.async_engine import AsyncLLMEngine  # imports torch and the model
+
+    log.info("%s=0: the engine core runs in this process", MULTIPROCESSING_ENV)
+    return AsyncLLMEngine.from_config(config)
 
 
 class AsyncMPClient:
@@ -184,7 +206,13 @@ class AsyncMPClient:
         # may finish); the core exits by itself if this process dies
         self.proc = subprocess.Popen([sys.executable, "-m", "linrnn_serve.engine.core", in_addr, out_addr, cfg_path,
                                       str(level), "1" if idle_integrity_check else "0"], process_group=0)
-        facts = self._handshake()
+        try:
+            facts = self._handshake()
+        except BaseException:  # start-up failed or was interrupted (Ctrl-C): no orphaned core
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            raise
         self.config: EngineConfig = facts["config"]
         self.model_config = facts["model_config"]
         self.model_name: str = facts["model_name"]
@@ -192,6 +220,7 @@ class AsyncMPClient:
         self.eos_token_ids: list[int] = facts["eos_token_ids"]
         self.kv_capacity_tokens: int = facts["kv_capacity_tokens"]
         self.core_description: dict = facts["describe"]
+        self.default_sampling_params: dict = facts["default_sampling_params"]
         d = facts["tokenizer_dir"]
         self.tokenizer = Tokenizer.from_dir(d, self.model_config.eos_token_id) if d else None
         self._receiver = threading.Thread(target=self._receive, name="linrnn-core-receiver", daemon=True)
@@ -239,13 +268,12 @@ class AsyncMPClient:
         if not self.is_running:
             raise self._dead_error()
         params = params if params is not None else SamplingParams()
-        params.validate()
-        text, ids = self._tokenize(prompt)
+        text, ids = self._tokenize(prompt)  # the core validates the request (engine/validation.py)
         st = _RequestState(asyncio.get_running_loop(), request_id, text, ids, params, time.monotonic(),
                            self.tokenizer)
         with self._lock:
             if request_id in self._states:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise RequestError(f"request id {request_id!r} is already in use", "request_id")
             self._states[request_id] = st
         finished = False
         try:
@@ -279,7 +307,7 @@ class AsyncMPClient:
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+                raise RequestError("this model has no tokenizer: give the prompt as token ids", "prompt")
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 

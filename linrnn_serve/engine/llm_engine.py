@@ -24,10 +24,12 @@ from linrnn_serve.cache.budget import CacheBudget
 from linrnn_serve.config import EngineConfig, ModelConfig
 from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
-from linrnn_serve.engine.outputs import CompletionOutput, EngineFullError, PromptTooLongError, RequestOutput
+from linrnn_serve.engine.errors import EngineFullError, RequestError
+from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
 from linrnn_serve.engine.structured_output import StructuredOutputs
 from linrnn_serve.engine import warmup
 from linrnn_serve.engine.tokenizer import Tokenizer
+from linrnn_serve.engine.validation import RequestLimits, validate_request
 from linrnn_serve.generation_config import default_sampling_params
 from linrnn_serve.models.loading import check_weights_fit, resolve_device, resolve_dtype
 from linrnn_serve.sampling_params import SamplingParams
@@ -207,50 +209,38 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(text or None, prompt ids); the ids are checked by validate_request."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        else:
-            ids, text = list(prompt), None
-            V = self.model_config.vocab_size
-            for t in ids:
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
-                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {V})")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return text, ids
+                raise RequestError("this model has no tokenizer: give the prompt as token ids", "prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
 
-    def check_prompt(self, prompt_len: int, params: SamplingParams) -> None:
-        """PromptTooLongError when prompt + max_tokens cannot fit the context or the KV cache."""
-        limit = self.max_model_len
-        want = prompt_len + (params.max_tokens if params.max_tokens is not None else 1)
-        if want > limit:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {limit} tokens; the prompt has {prompt_len} tokens"
-                + (f" and max_tokens is {params.max_tokens}" if params.max_tokens is not None else "")
-                + f" ({want} > {limit}); shorten the prompt or lower max_tokens")
-        cap = self.scheduler.kv_capacity_tokens
-        if want > cap:
-            raise PromptTooLongError(f"the prompt ({prompt_len} tokens) plus max_tokens needs {want} tokens of KV "
-                                     f"cache but the cache holds {cap}")
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.model_config.vocab_size, self.max_model_len, self.config.max_num_seqs,
+                             self.scheduler.kv_capacity_tokens, self.config.max_logprobs)
+
+    def validate_request(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """engine/validation.py against this engine's limits, tokenizer and grammar compiler: the ids to run."""
+        return validate_request(ids, params, self.limits, self.tokenizer, self.structured)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> Request:
-        """Queue a request. Raises SamplingParamError, ValueError, PromptTooLongError, EngineFullError."""
+        """Queue a request. Raises RequestError (and its kinds: SamplingParamError, StructuredOutputError,
+        PromptTooLongError) for a bad request, EngineFullError when the waiting queue is full."""
         params = params if params is not None else SamplingParams()
-        params.validate(self.config.max_logprobs)
         if prompt_token_ids is not None:
-            text, ids = (prompt if isinstance(prompt, str) else None), self.tokenize_prompt(prompt_token_ids)[1]
+            text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         else:
             text, ids = self.tokenize_prompt(prompt)
-        ids = self.prepare_request(ids, params)
-        self.check_prompt(len(ids), params)
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        return self.add_validated_request(request_id, text, self.validate_request(ids, params), params, arrival_time)
+
+    def add_validated_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                              arrival_time: float | None = None) -> Request:
+        """Queue a request whose ids and params came out of validate_request."""
         if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         if self.scheduler.num_waiting_requests >= self.config.max_queue_len:
             raise EngineFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -259,26 +249,6 @@ class LLMEngine:
         if self.structured.needs(params):
             self.structured.add([s.seq_id for s in req.seqs], params)
         return req
-
-    def prepare_request(self, ids: list[int], params: SamplingParams) -> list[int]:
-        """Per-request extras that need the tokenizer or the grammar compiler, checked before queueing:
-        truncate_prompt_tokens (keep the last N), bad_words -> token sequences, structured output /
-        allowed_token_ids compiled (StructuredOutputError names what cannot compile). Returns the ids."""
-        if params.truncate_prompt_tokens is not None:
-            ids = ids[-params.truncate_prompt_tokens:]
-        if params.bad_words and params.bad_words_token_ids is None:
-            if self.tokenizer is None:
-                raise ValueError("bad_words needs a tokenizer")
-            seqs = []
-            for w in params.bad_words:  # as vLLM: the word alone and after a space
-                for v in (w, " " + w.lstrip()):
-                    t = self.tokenizer.encode(v, add_special_tokens=False)
-                    if t and t not in seqs:
-                        seqs.append(t)
-            params.bad_words_token_ids = seqs
-        if self.structured.needs(params):
-            self.structured.check(params)
-        return ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request; returns its final output (finish_reason 'abort'), None if unknown/finished."""

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# the typed errors live in engine/errors.py; re-exported for existing imports
+from linrnn_serve.engine.errors import EngineDeadError, EngineFullError, PromptTooLongError  # noqa: F401
+
 
 @dataclass
 class CompletionOutput:
@@ -34,15 +37,3 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time, ...
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (usage.prompt_tokens_details)
 
-
-class EngineFullError(RuntimeError):
-    """The waiting queue is at max_queue_len: the request is refused (HTTP 503)."""
-
-
-class PromptTooLongError(ValueError):
-    """Prompt plus max_tokens cannot fit the model's context (HTTP 400)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop or core process stopped (shutdown, an internal error, killed): no more requests
-    are served (HTTP 503)."""

@@ -1,13 +1,16 @@
 """Messages between the engine core process and its clients (msgspec / msgpack over ZeroMQ).
 
 Client -> core (one PUSH socket, one message each):
-    AddRequest    a validated request: ids, SamplingParams, arrival time
+    AddRequest    a request: prompt ids, SamplingParams (every field: constraints, bad_words, seeds,
+                  stop, n, logprobs, ...), arrival time; the core validates it (engine/validation.py)
     AbortRequest  stop a request (its final delta comes back with finish_reason "abort")
     Shutdown      abort everything and exit
 
 Core -> client (one PUSH socket, ONE message per engine step):
     StepOutputs   the per-request deltas of that step (new token ids and logprobs per sample,
-                  finish reason), refusals of adds (`error`), and now and then a stats snapshot
+                  finish reason, prefix-cache hits), refusals of adds (`error`: a typed error of
+                  engine/errors.py, rebuilt as the same type by the client), and now and then a
+                  stats snapshot
 
 The core sends token ids only; the client detokenizes. Stop strings are the exception: deciding
 where a sequence ends needs text, so the core detokenizes requests that have stop strings and
@@ -48,6 +51,7 @@ class ErrorInfo(msgspec.Struct, array_like=True):
     kind: str  # the exception class name
     message: str
     param: str | None = None
+    code: str | None = None  # RequestError.code
 
 
 class SeqDelta(msgspec.Struct, array_like=True):
@@ -67,6 +71,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     first_token_time: float | None = None
     finished_time: float | None = None
     error: ErrorInfo | None = None  # the add was refused (queue full, prompt too long, bad params)
+    prompt_token_ids: list[int] | None = None  # first delta only, when the core changed them (truncation)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (usage.prompt_tokens_details)
 
 
 class StepOutputs(msgspec.Struct, array_like=True):
@@ -76,6 +82,7 @@ class StepOutputs(msgspec.Struct, array_like=True):
 
 
 STATS_INTERVAL_S = 0.25
+STATS_FRESH_S = 0.02  # after the running / waiting counts change, a snapshot within this
 
 encoder = msgspec.msgpack.Encoder()
 client_decoder = msgspec.msgpack.Decoder(ClientMessage)

@@ -32,17 +32,10 @@ from typing import Any
 
 import torch
 
+from linrnn_serve.engine.errors import StructuredOutputError
 from linrnn_serve.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
-
-
-class StructuredOutputError(ValueError):
-    """A constraint that cannot be compiled; the message names it (a 400 for the client)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 def bitmask_words(vocab_size: int) -> int:

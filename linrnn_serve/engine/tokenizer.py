@@ -14,13 +14,13 @@ a `tojson` filter (ensure_ascii=False) and the `{% generation %}` tag, with the 
 
 The incremental detokenizer never emits half a multi-byte character (its `flush()` at the end of
 a sequence reports a still-incomplete one as U+FFFD, as vLLM and OpenAI do) and ignores ids the
-tokenizer does not know (random-weight models with a padded vocab sample those). For byte-level
-BPE tokenizers (Qwen's) it maps each token to its bytes and feeds an incremental UTF-8 decoder:
-O(1) per token. Other tokenizers use the prefix/read-offset re-decoding scheme of HF TGI / vLLM.
+tokenizer does not know (random-weight models with a padded vocab sample those). It is `tokenizers`'
+DecodeStream (StreamDetokenizer); a tokenizer whose config asks for transformers' clean-up of
+tokenization spaces (not part of the `tokenizers` decoder) uses the prefix/read-offset re-decoding
+scheme of HF TGI / vLLM instead (IncrementalDetokenizer).
 """
 from __future__ import annotations
 
-import codecs
 import json
 import os
 import unicodedata
@@ -203,11 +203,11 @@ class Tokenizer:
 
     # ---- streaming ---------------------------------------------------------------------------
     def detokenizer(self, prompt_token_ids: list[int] | None = None,
-                    params: SamplingParams | None = None) -> "IncrementalDetokenizer":
+                    params: SamplingParams | None = None) -> "StreamDetokenizer | IncrementalDetokenizer":
         skip = params.skip_special_tokens if params is not None else True
-        if self._byte_level:
-            return ByteLevelDetokenizer(self, skip)
-        return IncrementalDetokenizer(self, prompt_token_ids or [], skip)
+        if self.clean_up_spaces:  # transformers' clean-up is not part of the tokenizers decoder
+            return IncrementalDetokenizer(self, prompt_token_ids or [], skip)
+        return StreamDetokenizer(self, prompt_token_ids or [], skip)
 
     def token_bytes(self) -> list[bytes | None]:
         """Per id: the token's bytes (byte-level vocab) or None for added tokens / holes. Built once."""
@@ -259,28 +259,44 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text):] if new_text.startswith(prefix_text) else ""
 
 
-class ByteLevelDetokenizer:
-    """Byte-level BPE: token -> bytes -> incremental UTF-8 decoder (holds back partial characters)."""
+class StreamDetokenizer:
+    """`tokenizers`' DecodeStream (Rust: re-decodes a short window per token and holds back text that
+    ends in an incomplete character), plus what it lacks: unknown ids are skipped, and `flush()`
+    reports a character still incomplete at the end as U+FFFD."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    CONTEXT = 4  # prompt ids the stream starts from (a decoder's leading-space rules see them)
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+
         self.t, self.skip = tokenizer, skip_special_tokens
-        self.table = tokenizer.token_bytes()
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        ctx = [i for i in prompt_token_ids[-self.CONTEXT:] if 0 <= i <= tokenizer.max_id]
+        try:
+            self.stream = DecodeStream(ids=ctx, skip_special_tokens=skip_special_tokens)
+        except TypeError:  # tokenizers < 0.22: no prefill ids
+            self.stream, ctx = DecodeStream(skip_special_tokens=skip_special_tokens), []
+        self.ctx = ctx  # the last ids already turned into text
+        self.held: list[int] = []  # ids since then (their text is not complete yet)
 
     def update(self, token_id: int) -> str:
-        if not 0 <= token_id < len(self.table):
+        if not 0 <= token_id <= self.t.max_id:
             return ""
-        b = self.table[token_id]
-        if b is not None:
-            return self.utf8.decode(b)
-        at = self.t.added.get(token_id)
-        if at is None or (at.special and self.skip):
+        out = self.stream.step(self.t.tok, token_id)
+        if out is None:
+            self.held.append(token_id)
             return ""
-        return self.utf8.decode(b"", final=True) + at.content
+        self.ctx = (self.ctx + self.held + [token_id])[-self.CONTEXT:]
+        self.held = []
+        return out
 
     def flush(self) -> str:
-        """Bytes of an incomplete trailing character, as U+FFFD (what vLLM and OpenAI return)."""
-        return self.utf8.decode(b"", final=True)
+        """The text still held back (an incomplete character decodes to U+FFFD); call once at the end."""
+        if not self.held:
+            return ""
+        before = self.t.tok.decode(self.ctx, skip_special_tokens=self.skip)
+        after = self.t.tok.decode(self.ctx + self.held, skip_special_tokens=self.skip)
+        self.ctx, self.held = [], []
+        return after[len(before):] if after.startswith(before) else ""
 
 
 def _is_byte_level(tok) -> bool:

@@ -34,7 +34,7 @@ from linrnn_server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoic
                                     TokenLogprob, TopLogprob, UsageInfo)
 from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, render_chat_prompt, sse_error, sse_frame
 from linrnn_server.tool_choice import ToolPlan, forced_calls, plan_tools
-from linrnn_server.serving import (Generation, apply_default_max_tokens, check_model, check_prompt, clamp_logprob,
+from linrnn_server.serving import (Generation, apply_default_max_tokens, check_model, clamp_logprob,
                                    new_id, parse_body, sampling_params, state_of, until_disconnect, usage_info)
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,14 @@ def _token_logprobs(eng: EngineClient, token_ids: list[int], entries: list[dict[
     return out
 
 
+# the engine's names of the fields it checks -> this route's (Generation.param_names)
+PARAM_NAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+
 def _params(req: ChatCompletionRequest, eng: EngineClient) -> SamplingParams:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs", "invalid_value")
-        if not 0 <= req.top_logprobs <= eng.max_logprobs:
-            raise bad_request(f"top_logprobs must be in [0, {eng.max_logprobs}], got {req.top_logprobs}",
-                              "top_logprobs", "invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         raise bad_request(f"max_completion_tokens must be a positive integer, got {req.max_completion_tokens}",
@@ -142,10 +143,9 @@ async def create_chat_completion(request: Request):
     req.check_neutral()
     model = check_model(state, req.model)
     run = await prepare_chat(eng, req)
-    check_prompt(eng, run.ids, req.max_new_tokens, run.params, "messages")
     apply_default_max_tokens(state, run.params, len(run.ids))
 
-    gen = Generation(state, new_id("chatcmpl"), [run.ids], run.params)
+    gen = Generation(state, new_id("chatcmpl"), [run.ids], run.params, PARAM_NAMES)
     await until_disconnect(request, gen.start())
     created = int(time.time())
     if req.stream:

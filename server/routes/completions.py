@@ -22,7 +22,7 @@ from linrnn_server.errors import APIError, bad_request, from_engine_error, inter
 from linrnn_server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                     UsageInfo)
 from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, sse_error, sse_frame
-from linrnn_server.serving import (Generation, apply_default_max_tokens, check_model, check_prompt, clamp_logprob,
+from linrnn_server.serving import (Generation, apply_default_max_tokens, check_model, clamp_logprob,
                                    new_id, parse_body, sampling_params, state_of, until_disconnect, usage_info)
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,6 @@ async def create_completion(request: Request):
     max_tokens = 1 if scoring else req.max_tokens
     params = sampling_params(req, max_tokens, req.logprobs, req.logprobs if echo_logprobs else None,
                              engine=eng)
-    for ids in prompts:
-        check_prompt(eng, ids, max_tokens, params, "prompt")
     apply_default_max_tokens(state, params, max(map(len, prompts)))  # max_tokens: null (absent: 16, as OpenAI)
 
     gen = Generation(state, new_id("cmpl"), prompts, params)

@@ -22,11 +22,13 @@ from linrnn_server.errors import APIError, bad_request, from_engine_error, from_
 from linrnn_server.protocol import ChatCompletionRequest
 from linrnn_server.rendering import SSE_HEADERS
 from linrnn_server.routes.chat import _ChoiceStream, final_message, prepare_chat
-from linrnn_server.serving import (Generation, check_model, check_prompt, new_id, state_of, until_disconnect,
+from linrnn_server.serving import (Generation, check_model, new_id, state_of, until_disconnect,
                                    usage_of)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+# the engine's names of the fields it checks -> this route's (Generation.param_names)
+PARAM_NAMES = {"prompt": "input", "max_tokens": "max_output_tokens"}
 
 _IGNORED = {"store", "metadata", "user", "service_tier", "truncation", "include", "prompt_cache_key",
             "safety_identifier", "top_logprobs", "stream_options", "background", "previous_response_id"}
@@ -246,9 +248,8 @@ async def create_response(request: Request):
         raise from_validation_error(e, ChatCompletionRequest.TYPE_HINTS) from None
     model = check_model(state, chat.model)
     run = await prepare_chat(eng, chat)
-    check_prompt(eng, run.ids, chat.max_new_tokens, run.params, "input")
     rid = new_id("resp")
-    gen = Generation(state, rid, [run.ids], run.params)
+    gen = Generation(state, rid, [run.ids], run.params, PARAM_NAMES)
     await until_disconnect(request, gen.start())
     created = int(time.time())
     if chat.stream:
