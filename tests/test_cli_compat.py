@@ -117,6 +117,28 @@ def test_llm_constructor_and_bench_share_engine_args():
     assert a.model == "tiny,default" and a.max_model_len == 2000 and a.tensor_parallel_size == 1
 
 
+def test_serve_bench_and_llm_take_every_engine_arg():
+    """One definition (EngineArgs): every engine flag is a `serve` flag and a `bench batched` flag (but the
+    few bench leaves out on purpose), and LLM / LLMEngine.from_engine_args build their config through it."""
+    import dataclasses
+    import inspect
+
+    from linrnn_bench import batched
+    from linrnn_serve.engine.async_engine import AsyncLLMEngine
+    from linrnn_serve.engine.llm_engine import LLMEngine
+    from linrnn_serve.llm import LLM
+
+    names = {f.name for f in dataclasses.fields(EngineArgs) if f.metadata.get("cli") is not False}
+    serve = argparse.ArgumentParser()
+    cli.add_arguments(serve)
+    bench = argparse.ArgumentParser()
+    batched.add_arguments(bench)
+    assert names <= {a.dest for a in serve._actions}
+    assert names - set(batched.BENCH_SKIPPED_ENGINE_ARGS) <= {a.dest for a in bench._actions}
+    for ctor in (LLM.__init__, LLMEngine.from_engine_args, AsyncLLMEngine.from_engine_args):
+        assert "EngineArgs(model=model, **" in inspect.getsource(ctor), ctor
+
+
 def test_generation_config_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 77, "eos_token_id": [1]}))

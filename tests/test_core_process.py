@@ -13,7 +13,7 @@ import pytest
 from engine_fixtures import make_tiny_model_dir
 from linrnn_serve.config import EngineConfig
 from linrnn_serve.engine.outputs import EngineDeadError, EngineFullError, PromptTooLongError
-from linrnn_serve.sampling_params import SamplingParamError, SamplingParams
+from linrnn_serve.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
 
 KW = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, block_size=8, num_kv_blocks=128)
 
@@ -175,3 +175,139 @@ def test_api_server_process_never_imports_torch():
             "'linrnn_serve.cache', 'linrnn_kernels'))]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# every SamplingParams field, set to a value other than its default (a new field must be added here, so
+# that the test proves it crosses the core's channel)
+NON_DEFAULT = dict(
+    n=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=11, presence_penalty=0.5, frequency_penalty=-0.5,
+    repetition_penalty=1.2, max_tokens=7, min_tokens=2, stop=["x", "yz"], stop_token_ids=[4, 9], ignore_eos=True,
+    logprobs=3, prompt_logprobs=2, include_stop_str_in_output=True, skip_special_tokens=False,
+    structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    allowed_token_ids=[1, 2, 3], bad_words=["foo", "bar baz"], truncate_prompt_tokens=5,
+    bad_words_token_ids=[[1, 2], [3]], extra_args={"k": [1, "v"], "d": {"x": 1.5}})
+
+
+def test_every_sampling_param_crosses_the_wire():
+    import dataclasses
+
+    from linrnn_serve.engine.protocol import AddRequest, client_decoder, encoder
+
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert fields == set(NON_DEFAULT), f"add the new SamplingParams fields to NON_DEFAULT: {fields ^ set(NON_DEFAULT)}"
+    default = SamplingParams()
+    for name, v in NON_DEFAULT.items():
+        assert getattr(default, name) != v, name
+    variants = [SamplingParams(**NON_DEFAULT)] + [
+        SamplingParams(structured_outputs=so) for so in (
+            StructuredOutputsParams(json='{"type": "string"}'), StructuredOutputsParams(regex="[a-c]+"),
+            StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(grammar='root ::= "a"'),
+            StructuredOutputsParams(json_object=True))]
+    for p in variants:
+        msg = AddRequest("r", [1, 2, 3], p, 1.5, "text")
+        got = client_decoder.decode(encoder.encode(msg))
+        assert got == msg and dataclasses.asdict(got.params) == dataclasses.asdict(p)
+
+
+def _request_cases():
+    so = StructuredOutputsParams
+    return [
+        ("choose: ", SamplingParams(temperature=0, max_tokens=20, structured_outputs=so(choice=["red", "green"]))),
+        ("digits ", SamplingParams(temperature=0.8, seed=5, max_tokens=12, structured_outputs=so(regex="[0-9]{3,6}"))),
+        ("hello world", SamplingParams(temperature=0, max_tokens=8, bad_words=["the", "fox"], logprobs=1)),
+        ("hello world", SamplingParams(temperature=0.9, seed=1, max_tokens=8, allowed_token_ids=list(range(40, 90)))),
+        ("The capital of France is Paris. The", SamplingParams(temperature=0, max_tokens=6,
+                                                               truncate_prompt_tokens=4, prompt_logprobs=1)),
+        ("café", SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=8, presence_penalty=1.0,
+                                frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.02, top_k=20,
+                                stop_token_ids=[7], min_tokens=3)),
+        ("emoji", SamplingParams(temperature=0, max_tokens=8, skip_special_tokens=False, ignore_eos=True,
+                                 stop=["o"], include_stop_str_in_output=True)),
+    ]
+
+
+def test_request_extras_and_prefix_hits_match_the_offline_engine(model_dir):
+    """Constraints, bad_words, allowed ids, truncation, penalties, n > 1, seeds, stop, prompt logprobs and
+    prefix-cache hits (cached_tokens): the core process returns what the offline engine does."""
+    from linrnn_serve.llm import LLM
+
+    kw = dict(KW, enable_prefix_caching=True)
+    cases = _request_cases()
+    shared = "The quick brown fox jumps over the lazy dog. " * 2  # the second time from the prefix cache
+    prompts = [p for p, _ in cases] + [shared, shared]
+    params = [c for _, c in cases] + [SamplingParams(temperature=0, max_tokens=4)] * 2
+    llm = LLM(model_dir, progress=False, **kw)
+    want = [llm.generate([p], [c])[0] for p, c in zip(prompts, params)]  # one at a time: the prefix is cached
+    assert want[-1].num_cached_tokens > 0
+    client = _client(model_dir, enable_prefix_caching=True)
+    try:
+        async def main():
+            return [await _last(client, p, c, f"x{i}") for i, (p, c) in enumerate(zip(prompts, params))]
+
+        got = asyncio.run(main())
+        for g, w in zip(got, want):
+            assert g.prompt_token_ids == w.prompt_token_ids and g.num_cached_tokens == w.num_cached_tokens
+            assert g.prompt_logprobs is None or len(g.prompt_logprobs) == len(w.prompt_logprobs)
+            assert [(a.token_ids, a.text, a.finish_reason, a.stop_reason) for a in g.outputs] == \
+                   [(b.token_ids, b.text, b.finish_reason, b.stop_reason) for b in w.outputs]
+        assert len(got[4].prompt_token_ids) == 4  # truncate_prompt_tokens
+        assert got[0].outputs[0].text in ("red", "green")
+    finally:
+        client.shutdown_sync(timeout=5)
+
+
+def test_bad_requests_are_refused_by_the_core_with_typed_errors(model_dir):
+    from linrnn_serve.engine.errors import RequestError, StructuredOutputError
+
+    client = _client(model_dir)
+    try:
+        async def main():
+            with pytest.raises(StructuredOutputError) as e:
+                await _last(client, "x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")), "r")
+            assert e.value.param == "regex"
+            with pytest.raises(RequestError) as e:
+                await _last(client, "x", SamplingParams(n=9), "n")  # max_num_seqs 8
+            assert e.value.param == "n"
+            with pytest.raises(PromptTooLongError) as e:
+                await _last(client, [1] * 250, SamplingParams(max_tokens=10), "long")
+            assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+            with pytest.raises(RequestError) as e:
+                await _last(client, [], SamplingParams(), "empty")
+            assert e.value.param == "prompt"
+            # and the core still serves
+            out = await _last(client, "hello", SamplingParams(temperature=0, max_tokens=3), "ok")
+            assert out.finished and len(out.outputs[0].token_ids) == 3
+
+        asyncio.run(main())
+    finally:
+        client.shutdown_sync(timeout=5)
+
+
+def test_killing_the_core_of_linrnn_serve_gives_503_and_unhealthy_health():
+    """The real `linrnn-serve` (core in its own process by default): SIGKILL the core mid-stream; the
+    stream ends, /health and new requests answer 503 within a second, then the server exits (1)."""
+    import httpx
+
+    from test_server_e2e import ServerProcess, serve_cmd
+
+    srv = ServerProcess(serve_cmd("--model", "tiny", "--device", "cpu", "--disable-log-stats"))
+    try:
+        children = open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()
+        assert len(children) == 1, children  # the engine core
+        core_pid = int(children[0])
+        body = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(core_pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            rest = list(lines)  # ends (an error event), does not hang
+        assert any('"engine_dead"' in x or "engine" in x for x in rest), rest[-3:]
+        h = httpx.get(f"{srv.url}/health", timeout=5)
+        c = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
+        assert time.monotonic() - t0 < 1.0
+        assert h.status_code == 503 and c.status_code == 503 and c.json()["error"]["code"] == "engine_dead"
+        assert srv.proc.wait(30) == 1
+    finally:
+        srv.stop()
+        os.unlink(srv.log_path)

@@ -23,6 +23,7 @@ import time
 from typing import AsyncIterator
 
 from linrnn_serve.config import EngineConfig
+from linrnn_serve.engine_args import EngineArgs
 from linrnn_serve.engine.llm_engine import LLMEngine
 from linrnn_serve.engine.errors import EngineDeadError, EngineFullError, RequestError
 from linrnn_serve.engine.outputs import RequestOutput
@@ -75,7 +76,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, model: str, progress: bool = True, **kwargs) -> "AsyncLLMEngine":
-        return cls.from_config(EngineConfig(model=model, **kwargs), progress=progress)
+        return cls.from_config(EngineArgs(model=model, **kwargs).create_engine_config(), progress=progress)
 
     # ---- what the server reads ---------------------------------------------------------------
     @property

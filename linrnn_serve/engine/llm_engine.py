@@ -22,6 +22,7 @@ import torch
 from linrnn_serve.cache import BlockAllocator, PrefixCache, SlotAllocator
 from linrnn_serve.cache.budget import CacheBudget
 from linrnn_serve.config import EngineConfig, ModelConfig
+from linrnn_serve.engine_args import EngineArgs
 from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
 from linrnn_serve.engine.errors import EngineFullError, RequestError
@@ -177,7 +178,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, model: str, progress: bool = True, **kwargs) -> "LLMEngine":
-        return cls(EngineConfig(model=model, **kwargs), progress=progress)
+        return cls(EngineArgs(model=model, **kwargs).create_engine_config(), progress=progress)
 
     # ---- setup helpers ---------------------------------------------------------------------
     @staticmethod
