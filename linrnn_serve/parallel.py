@@ -26,6 +26,7 @@ with its all-reduces is captured in one CUDA graph (NCCL on GPU, gloo on CPU, wh
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -62,10 +63,12 @@ class CommStats:
 class Communicator:
     """The collectives of one tensor-parallel group (torch.distributed; the default group unless
     given). With `timed` on, each collective is synchronised and timed (benchmarks; never inside a
-    CUDA-graph capture)."""
+    CUDA-graph capture). `stage_on_host`: the backend takes CPU tensors only (gloo under the
+    single-GPU test mode): CUDA tensors go through host copies (eager only, never captured)."""
 
-    def __init__(self, rank: int, world_size: int, group=None):
+    def __init__(self, rank: int, world_size: int, group=None, stage_on_host: bool = False):
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.stage_on_host = stage_on_host
         self.timed = False
         self.stats = CommStats()
 
@@ -74,7 +77,12 @@ class Communicator:
         import torch.distributed as dist
 
         t0 = self._start(x)
-        dist.all_reduce(x, group=self.group)
+        if self.stage_on_host and x.is_cuda:
+            h = x.cpu()
+            dist.all_reduce(h, group=self.group)
+            x.copy_(h)
+        else:
+            dist.all_reduce(x, group=self.group)
         self._stop("all_reduce", x, t0)
         return x
 
@@ -85,12 +93,34 @@ class Communicator:
         t0 = self._start(x)
         x = x.contiguous()
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.empty((self.world_size * flat.shape[0], x.shape[-1]), dtype=x.dtype, device=x.device)
+        host = self.stage_on_host and x.is_cuda
+        src = flat.cpu() if host else flat
+        out = torch.empty((self.world_size * flat.shape[0], x.shape[-1]), dtype=x.dtype, device=src.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
-        gather(out, flat, group=self.group)
+        gather(out, src, group=self.group)
+        if host:
+            out = out.to(x.device)
         self._stop("all_gather", x, t0)
         out = out.view(self.world_size, flat.shape[0], x.shape[-1]).transpose(0, 1)
         return out.reshape(*x.shape[:-1], self.world_size * x.shape[-1])
+
+    def warm_up(self, device: torch.device) -> float:
+        """One all-reduce and one all-gather on `device`, checked, before anything is captured: the
+        communicator's first use (connection set-up, NCCL's lazy buffers) happens eagerly here, and a
+        group whose sums are wrong fails now with a clear error. Every rank calls it at the same
+        point of start-up (it is also the first sync point after loading). Returns seconds."""
+        t0 = time.perf_counter()
+        x = torch.full((8,), float(self.rank + 1), dtype=torch.float32, device=device)
+        self.all_reduce(x)
+        g = self.all_gather_last(torch.full((2, 1), float(self.rank), dtype=torch.float32, device=device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        want = self.world_size * (self.world_size + 1) / 2
+        got_g = g[0].tolist()
+        if x.tolist() != [want] * 8 or got_g != [float(r) for r in range(self.world_size)]:
+            raise RuntimeError(f"tensor-parallel rank {self.rank}: the collectives give wrong results "
+                               f"(all-reduce {x.tolist()[0]} != {want}, all-gather {got_g})")
+        return time.perf_counter() - t0
 
     def _start(self, x: torch.Tensor) -> float | None:
         if not self.timed:
@@ -227,21 +257,63 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     )
 
 
+# Environment every rank of an NCCL group starts with (set only where the user has not): NCCL warnings
+# on stderr; a collective that times out aborts the communicator and ends the process with the
+# c10d watchdog's message naming the operation (instead of hanging); the NCCL flight recorder, whose
+# per-rank record of the last collectives is dumped on a timeout (TORCH_NCCL_DEBUG_INFO_TEMP_FILE is set
+# per run by the executor, next to the ranks' stacks). NCCL_NVLS_ENABLE and the like are left alone.
+NCCL_ENV_DEFAULTS = {
+    "NCCL_DEBUG": "WARN",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+
+
+def set_nccl_env_defaults(env=None) -> None:
+    env = os.environ if env is None else env
+    for k, v in NCCL_ENV_DEFAULTS.items():
+        env.setdefault(k, v)
+
+
 def init_process_group(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float = 60.0,
                        device: torch.device | None = None) -> Communicator:
-    """Join the group (gloo on CPU, nccl on GPU). The timeout bounds how long a collective waits for
-    a dead peer before it raises, so a lost worker never hangs the survivors."""
+    """Join the group (gloo on CPU, nccl on GPU; gloo with CUDA tensors stages them on the host).
+    The timeout bounds how long a collective waits for a dead peer before it raises, so a lost worker
+    never hangs the survivors. NCCL is bound to `device` (eager communicator creation: every later
+    collective, barriers included, runs on this rank's GPU, never a default cuda:0)."""
     import datetime
 
     import torch.distributed as dist
 
     kw = {}
-    if backend == "nccl" and device is not None:
+    if backend == "nccl":
+        if device is None or device.type != "cuda":
+            raise ValueError("the nccl backend needs this rank's CUDA device")
+        set_nccl_env_defaults()
         kw["device_id"] = device
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kw)
-    return Communicator(rank, world_size)
+    return Communicator(rank, world_size, stage_on_host=backend == "gloo" and device is not None
+                        and device.type == "cuda")
+
+
+def leave_process_group(backend: str) -> None:
+    """Leave the default group without waiting on peers. NCCL: abort (local; destroy_process_group
+    can hang once collectives were captured in CUDA graphs, pytorch#115388, or when a peer is gone);
+    gloo: destroy. Either way a new group can be joined afterwards in this process."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if backend == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 __all__ = ["ParallelConfig", "Shard", "SINGLE", "ExpertShard", "Communicator", "CommStats", "local_config",
-           "expert_shard", "kv_head_span", "gdn_key_head_span", "validate", "init_process_group"]
+           "expert_shard", "kv_head_span", "gdn_key_head_span", "validate", "init_process_group",
+           "leave_process_group", "set_nccl_env_defaults", "NCCL_ENV_DEFAULTS"]

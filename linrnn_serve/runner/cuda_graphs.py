@@ -60,7 +60,11 @@ class GraphSet:
         self.graphs[(bucket, kind)].replay()
 
     def capture(self, buckets: list[int], kinds: dict[str, Callable[[int], None]], device: torch.device,
-                warmup: int = 2, progress: bool = True) -> None:
+                warmup: int = 2, progress: bool = True, note: Callable[[str], None] | None = None) -> None:
+        """Every rank of a tensor-parallel group captures the same (bucket, kind) list in the same
+        order: the step graphs hold its collectives, warmed up eagerly (on the side stream) right
+        before each capture. `note(what)` marks progress before each warm-up and capture."""
+        note = note or (lambda what: None)
         torch.cuda.synchronize(device)
         free0 = torch.cuda.mem_get_info(device)[0]
         t0 = time.perf_counter()
@@ -78,12 +82,14 @@ class GraphSet:
         for b in it:
             for kind, fn in kinds.items():
                 # warm up on a side stream (Triton compilation / autotuning, cuBLAS handles) ...
+                note(f"graph bucket {b} {kind}: warm-up")
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
                     for _ in range(warmup):
                         fn(b)
                 torch.cuda.current_stream(device).wait_stream(stream)
                 torch.cuda.synchronize(device)
+                note(f"graph bucket {b} {kind}: capture")
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
                     fn(b)

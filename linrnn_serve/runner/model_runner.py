@@ -74,8 +74,10 @@ class ModelRunner:
         self._last: list[tuple[list[int], torch.Tensor]] = []
 
     # ---- CUDA graphs -----------------------------------------------------------------------
-    def capture_graphs(self) -> None:
-        """Capture the decode step per bucket (no-op on CPU or with enforce_eager)."""
+    def capture_graphs(self, strict: bool = False, note=None) -> None:
+        """Capture the decode step per bucket (no-op on CPU or with enforce_eager). A failed capture
+        falls back to eager decode, or raises with `strict` (tensor parallel: every rank must capture
+        the same graphs). `note(what)` marks progress per bucket and kind (rank_watch.py)."""
         if self.enforce_eager or self.device.type != "cuda":
             log.info("CUDA graphs off (%s): decode runs eagerly at the same bucket sizes",
                      "enforce_eager" if self.enforce_eager else f"device {self.device.type}")
@@ -88,9 +90,11 @@ class ModelRunner:
                  "sample_sorted": lambda b: self._sample_static(b, True)}
         try:
             with torch.inference_mode():
-                self.graphs.capture(self.buckets, kinds, self.device, progress=self.progress)
+                self.graphs.capture(self.buckets, kinds, self.device, progress=self.progress, note=note)
             self.use_graphs = True
         except Exception as e:  # e.g. a reference op with a host sync on the decode path
+            if strict:
+                raise
             log.warning("CUDA graph capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
             self.graphs = GraphSet()
             self.use_graphs = False

@@ -35,15 +35,19 @@ log = logging.getLogger(__name__)
 class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str | None,
                  device: torch.device, dtype: torch.dtype, max_model_len: int, rank: int = 0, world_size: int = 1,
-                 progress: bool = True, shard=None):
+                 progress: bool = True, shard=None, device_share: int = 1):
         """`shard` (parallel.Shard): this rank's place in a tensor-parallel group; the worker then
-        holds the model's shard and caches of its heads (model.local_cfg)."""
+        holds the model's shard and caches of its heads (model.local_cfg). `device_share`: ranks on
+        this device (the single-GPU test mode of the multi-process path): each sizes its caches
+        from a 1/device_share share of the GPU's memory."""
         self.config, self.model_config, self.model_dir = config, model_config, model_dir
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.shard = shard
         if shard is not None:
             rank, world_size = shard.rank, shard.world_size
         self.rank, self.world_size, self.progress = rank, world_size, progress
+        self.device_share = device_share
+        self.note = lambda what: None  # fine-grained progress marks (rank_watch.RankWatch.note under TP)
         self.model = None
         self.bf16_heads = None
         self.head_map_description = ""
@@ -69,6 +73,13 @@ class Worker:
     def determine_budget(self) -> CacheBudget:
         c = self.config
         peak = self._profile_activation_peak() if self.device.type == "cuda" and c.num_kv_blocks is None else None
+        mem_info = None
+        if self.device.type == "cuda" and self.device_share > 1:
+            # ranks sharing one GPU (all loaded: start-up's collective check came first): an equal share
+            # of the memory and of what is in use each
+            free, total = torch.cuda.mem_get_info(self.device)
+            n = self.device_share
+            mem_info = (total // n - (total - free) // n, total // n)
         return compute_budget(
             self.local_config, device=self.device, act_dtype=self.dtype, kv_dtype=self.dtype,
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, block_size=c.block_size,
@@ -76,7 +87,7 @@ class Worker:
             num_kv_blocks=c.num_kv_blocks, activation_peak=peak, max_num_batched_tokens=c.max_num_batched_tokens,
             enforce_eager=c.enforce_eager,
             prefix_snapshot_fraction=c.prefix_snapshot_fraction if c.enable_prefix_caching else 0.0,
-            num_prefix_snapshots=c.num_prefix_snapshots if c.enable_prefix_caching else None)
+            num_prefix_snapshots=c.num_prefix_snapshots if c.enable_prefix_caching else None, mem_info=mem_info)
 
     def init_caches(self, budget: CacheBudget) -> None:
         c = self.config
@@ -99,7 +110,9 @@ class Worker:
         return getattr(self.model, "local_cfg", self.model_config)
 
     def capture_graphs(self) -> None:
-        self.runner.capture_graphs()
+        # under tensor parallelism a failed capture is fatal: a rank that fell back to eager decode while
+        # the others went on capturing would leave them waiting in a collective
+        self.runner.capture_graphs(strict=self.world_size > 1, note=self.note)
 
     def set_comm_timing(self, on: bool) -> None:
         """Time each collective (parallel.Communicator.stats). A replayed CUDA graph runs no Python,
@@ -149,14 +162,19 @@ class Worker:
             base = torch.cuda.memory_allocated(self.device)
             s = Session(self.model, 1, T, c.block_size)
             cache_bytes = torch.cuda.memory_allocated(self.device) - base
-            ids = torch.randint(0, self.model_config.vocab_size, (T,)).tolist()
+            # the same ids on every rank (a fixed generator): the same shapes and collectives everywhere
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, self.model_config.vocab_size, (T,), generator=g).tolist()
+            self.note(f"profile forward ({T} tokens)")
             s.forward([s.new_seq()], [ids])
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - base - cache_bytes
             del s
             torch.cuda.empty_cache()
             return int(peak * 1.1) + (64 << 20)
-        except Exception as e:  # the estimate is used instead
+        except Exception as e:  # the estimate is used instead (alone: with peers, a rank must not skip collectives)
+            if self.world_size > 1:
+                raise
             log.warning("profile run failed (%s: %s); using an activation-memory estimate", type(e).__name__, e)
             torch.cuda.empty_cache()
             return None
