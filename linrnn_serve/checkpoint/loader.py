@@ -190,20 +190,21 @@ def _slicer(model):
 
 
 def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, progress: bool = True,
-                    skip_mtp: bool = True) -> None:
+                    skip_mtp: bool = True, tick=None) -> None:
     """Load a safetensors checkpoint; a tensor-parallel shard reads only its slice of each tensor
-    from the memory-mapped files (checkpoint/sharding.py)."""
+    from the memory-mapped files (checkpoint/sharding.py). `tick(what)`: called every few tensors
+    (a rank's progress mark, runner/rank_watch.py)."""
     reader = CheckpointReader(path)
     loader = WeightLoader(model, skip_mtp)
     slicer = _slicer(model)
     with tqdm(total=reader.nbytes(), unit="B", unit_scale=True, desc="Loading checkpoint",
               disable=not progress) as bar:
         if slicer is None:
-            for name, t, fn in reader.iter_tensors():
+            for name, t, fn in _ticking(reader.iter_tensors(), tick):
                 loader.load(name, t, os.path.join(str(path), fn))
                 bar.update(tensor_nbytes(t))
         else:
-            for name, lazy, fn in reader.iter_lazy():
+            for name, lazy, fn in _ticking(reader.iter_lazy(), tick):
                 if skipped(canonical_name(name), skip_mtp):
                     continue
                 try:
@@ -216,13 +217,24 @@ def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike, progress: b
     loader.finish(str(path))
 
 
+def _ticking(items, tick, every: int = 2048):
+    """`items`, calling tick("weights: N tensors") every `every` of them (no-op without tick)."""
+    if tick is None:
+        yield from items
+        return
+    for n, item in enumerate(items):
+        if n % every == 0:
+            tick(f"weights: {n} tensors read")
+        yield item
+
+
 def load_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str,
-                 progress: bool = False) -> None:
+                 progress: bool = False, tick=None) -> None:
     """Load from an in-memory stream of (HF name, tensor): `--load-format dummy` and tests. A
-    tensor-parallel shard keeps its slice of each."""
+    tensor-parallel shard keeps its slice of each. `tick`: as load_checkpoint's."""
     loader = WeightLoader(model)
     slicer = _slicer(model)
-    for name, t in tqdm(tensors, desc="Initialising weights", disable=not progress):
+    for name, t in tqdm(_ticking(tensors, tick), desc="Initialising weights", disable=not progress):
         if slicer is not None:
             got = slicer.take(name, t)
             if got is None:

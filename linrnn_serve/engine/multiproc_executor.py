@@ -28,7 +28,6 @@ loop stops (the server answers 503, then exits).
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -150,8 +149,10 @@ class MultiprocExecutor(Executor):
             self.watch.idle()
             return result
         except WorkerDiedError:
+            self.watch.idle()
             raise
         except Exception as e:  # a collective failed: which peer went away?
+            self.watch.idle()
             time.sleep(0.2)
             self._poll_dead()
             if self._dead:
@@ -262,13 +263,7 @@ class MultiprocExecutor(Executor):
 
     def _dump_all_stacks(self, why: str) -> None:
         """Rank 0's Python stacks into its stacks file, and SIGUSR1 to the live workers (theirs)."""
-        try:
-            f = self.watch._stacks
-            f.write(f"\n==== {time.strftime('%H:%M:%S')} rank 0 stacks: {why}\n")
-            faulthandler.dump_traceback(f, all_threads=True)
-            f.flush()
-        except (ValueError, OSError):
-            pass
+        self.watch.dump_stacks(why)
         for p in self.procs:
             if p.is_alive() and p.pid:
                 try:

@@ -109,8 +109,9 @@ def quant_plan(cfg: ModelConfig):
 
 
 def load_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, device, load_format: str = "auto",
-               progress: bool = True, seed: int = 0, shard=None):
-    """The model, or with a parallel.Shard this rank's shard of it (loading only its slice)."""
+               progress: bool = True, seed: int = 0, shard=None, tick=None):
+    """The model, or with a parallel.Shard this rank's shard of it (loading only its slice).
+    `tick(what)`: a progress mark every few tensors (tensor-parallel ranks' hang watch)."""
     device = torch.device(device)
     model = build_model(cfg, dtype, device, quant_plan(cfg), shard=shard)
     if load_format == "dummy":
@@ -118,13 +119,13 @@ def load_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, devi
         from linrnn_serve.checkpoint.synth import dummy_tensors
 
         load_tensors(model, dummy_tensors(cfg, device=device, dtype=dtype, seed=seed), "dummy weights",
-                     progress=progress)
+                     progress=progress, tick=tick)
     elif load_format == "auto":
         if model_dir is None:
             raise ValueError("a checkpoint directory is needed unless --load-format dummy")
         from linrnn_serve.checkpoint.loader import load_checkpoint
 
-        load_checkpoint(model, model_dir, progress=progress)
+        load_checkpoint(model, model_dir, progress=progress, tick=tick)
     else:
         raise ValueError(f"--load-format {load_format!r} is not supported (auto, dummy)")
     model.eval()

@@ -120,18 +120,22 @@ class RankWatch:
                 self.fired = True
                 self._fire(stalled)
 
-    def _fire(self, stalled: float) -> None:
-        reason = (f"TP rank {self.rank}: no progress for {stalled:.0f} s in '{self.what}' "
-                  f"(+{time.monotonic() - self.t0:.0f} s since start); Python stacks of every rank in "
-                  f"{self.dump_dir}/rank*.stacks")
-        for f in (self._stacks, sys.stderr):
+    def dump_stacks(self, why: str, also_stderr: bool = False) -> None:
+        """This process's Python stacks (every thread) into the rank's stacks file, under a header."""
+        for f in (self._stacks, sys.stderr) if also_stderr else (self._stacks,):
             try:
-                f.write(f"\n==== {time.strftime('%H:%M:%S')} {reason}\n")
+                f.write(f"\n==== {time.strftime('%H:%M:%S')} TP rank {self.rank}: {why}\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
                 f.flush()
             except (ValueError, OSError):
                 pass
+
+    def _fire(self, stalled: float) -> None:
+        reason = (f"TP rank {self.rank}: no progress for {stalled:.0f} s in '{self.what}' "
+                  f"(+{time.monotonic() - self.t0:.0f} s since start); Python stacks of every rank in "
+                  f"{self.dump_dir}/rank*.stacks")
+        self.dump_stacks(reason, also_stderr=True)
         self._log.write(f"{time.strftime('%H:%M:%S')} HANG {reason}\n")
         for pid in self.peers():
             try:

@@ -64,7 +64,7 @@ class Worker:
             raise ValueError("--ssm-calibration is not supported with tensor parallelism yet (the weights-only "
                              "head map is)")
         self.model = load_model(self.model_config, self.model_dir, self.dtype, self.device, c.load_format,
-                                progress=self.progress, seed=c.seed, shard=self.shard)
+                                progress=self.progress, seed=c.seed, shard=self.shard, tick=self.note)
         self.weights_seconds = time.perf_counter() - t0
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.bf16_heads, self.head_map_description = build_head_map(self.model, c.ssm_bf16_tau, self.model_dir,
