@@ -277,12 +277,15 @@ def set_nccl_env_defaults(env=None) -> None:
 
 
 def init_process_group(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float = 60.0,
-                       device: torch.device | None = None) -> Communicator:
+                       device: torch.device | None = None, join_timeout_s: float = 180.0) -> Communicator:
     """Join the group (gloo on CPU, nccl on GPU; gloo with CUDA tensors stages them on the host).
-    The timeout bounds how long a collective waits for a dead peer before it raises, so a lost worker
-    never hangs the survivors. NCCL is bound to `device` (eager communicator creation: every later
-    collective, barriers included, runs on this rank's GPU, never a default cuda:0)."""
+    `timeout_s` bounds how long a collective waits for a dead peer before it raises, so a lost worker
+    never hangs the survivors; `join_timeout_s` bounds the rendezvous (a rank that died before joining
+    fails the others after it, not after the collective timeout). NCCL is bound to `device` (eager
+    communicator creation: every later collective, barriers included, runs on this rank's GPU, never
+    a default cuda:0). `init_method`: tcp://host:port (rank 0 hosts the store)."""
     import datetime
+    from urllib.parse import urlparse
 
     import torch.distributed as dist
 
@@ -292,7 +295,12 @@ def init_process_group(rank: int, world_size: int, init_method: str, backend: st
             raise ValueError("the nccl backend needs this rank's CUDA device")
         set_nccl_env_defaults()
         kw["device_id"] = device
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.port:
+        raise ValueError(f"init_method {init_method!r}: expected tcp://host:port")
+    store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=True)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kw)
     return Communicator(rank, world_size, stage_on_host=backend == "gloo" and device is not None
                         and device.type == "cuda")

@@ -37,6 +37,7 @@ def test_tp2_ep2_on_one_gpu_match_tp1(a3b_dir, tmp_path):  # noqa: F811
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     stages = "".join(f"--- {f}\n{open(os.path.join(dumps, f)).read()}" for f in sorted(os.listdir(dumps))) \
         if dumps.exists() else "(no dump directory)"
+    print("\n".join(line for line in p.stdout.splitlines() if line.startswith("|") or "ready in" in line))
     assert p.returncode == 0, f"{p.stdout[-4000:]}\n{p.stderr[-4000:]}\n{stages[-4000:]}"
     with open(out / "tp_compare.json") as f:
         rep = json.load(f)

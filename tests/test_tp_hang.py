@@ -83,3 +83,25 @@ def test_stopped_worker_fails_the_step_with_stacks_instead_of_hanging(tmp_path, 
         assert "all_reduce" in stacks0 or "all_gather" in stacks0, stacks0[-3000:]
     finally:
         eng.shutdown()
+
+
+def test_worker_that_cannot_start_fails_the_engine_at_once(tmp_path):
+    """A spawned rank that dies before joining the group (here: spawn cannot re-import a main module
+    read from stdin) fails the start-up at once with the rank and its exit status, instead of leaving
+    rank 0 in the rendezvous."""
+    script = textwrap.dedent("""
+        import time
+        from linrnn_serve.engine.llm_engine import LLMEngine
+        t0 = time.monotonic()
+        try:
+            LLMEngine.from_engine_args("tiny", device="cpu", tensor_parallel_size=2, max_num_seqs=2,
+                                       max_model_len=64, progress=False)
+        except Exception as e:
+            print("RAISED", type(e).__name__, round(time.monotonic() - t0), str(e)[:300])
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), LINRNN_TP_DUMP_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-"], input=script, env=env, capture_output=True, text=True, timeout=120)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RAISED")), "")
+    assert line.startswith("RAISED WorkerDiedError"), p.stdout + p.stderr[-3000:]
+    assert int(line.split()[2]) < 30, line
+    assert "rank 1 exited (status 1) before 'started'" in line, line

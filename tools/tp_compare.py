@@ -4,7 +4,8 @@
     python -m tools.tp_compare --model tiny --device cpu --configs tp1,tp2,ep2        # CPU smoke run
     LINRNN_TP_SINGLE_DEVICE=1 python -m tools.tp_compare --model DIR --configs tp1,tp2,ep2  # 2 ranks on 1 GPU
 
-Each configuration (tpN: tensor parallel over N ranks, epN: N ranks with expert parallel MoE) runs
+Each configuration (tpN: tensor parallel over N ranks, epN: N ranks with expert parallel MoE; a
+trailing e, as in tp2e, turns CUDA graphs off) runs
 in its own process (so the GPUs are free for the next), with a fixed prompt set (random token ids
 of a fixed seed, different lengths) decoded greedily for --max-tokens tokens, logging every step's
 logits. Prints per configuration: streams identical to the baseline (of how many), the first
@@ -35,11 +36,14 @@ import torch
 T_START = time.perf_counter()
 
 
-def parse_config(name: str) -> tuple[int, bool]:
-    kind, n = name[:2], int(name[2:])
-    if kind not in ("tp", "ep") or n < 1:
-        raise ValueError(f"configuration {name!r}: tpN or epN")
-    return n, kind == "ep"
+def parse_config(name: str) -> tuple[int, bool, bool]:
+    """tpN | epN, with a trailing 'e' for CUDA graphs off (e.g. tp2e): (ranks, expert parallel, eager)."""
+    eager = name.endswith("e") and name[:-1] != ""
+    core = name[:-1] if eager else name
+    kind, n = core[:2], core[2:]
+    if kind not in ("tp", "ep") or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"configuration {name!r}: tpN or epN, optionally with a trailing e (eager)")
+    return int(n), kind == "ep", eager
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -54,10 +58,10 @@ def run_one(args) -> None:
     from linrnn_serve.engine.llm_engine import LLMEngine
     from linrnn_serve.sampling_params import SamplingParams
 
-    tp, ep = parse_config(args.one)
+    tp, ep, eager = parse_config(args.one)
     eng = LLMEngine.from_engine_args(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
                                      tensor_parallel_size=tp, enable_expert_parallel=ep, max_num_seqs=args.num_prompts,
-                                     max_model_len=512, seed=args.seed, progress=False)
+                                     max_model_len=512, seed=args.seed, progress=False, enforce_eager=eager)
     t_ready = time.perf_counter()
     eng.capture_logits = True
     ps = prompts(args.num_prompts, eng.model_config.vocab_size, args.seed)
@@ -103,6 +107,16 @@ def run_config(name: str, argv: list[str], timeout: float | None) -> int:
     its stacks), then SIGKILL."""
     cmd = [sys.executable, "-m", "tools.tp_compare", *argv, "--one", name]
     p = subprocess.Popen(cmd, start_new_session=True)
+
+    def forward(sig, frame):  # an outer `timeout` ends us: its ranks (another session) dump stacks and end too
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            os.killpg(p.pid, signal.SIGKILL)
+        raise SystemExit(128 + sig)
+
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
         return p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -119,6 +133,8 @@ def run_config(name: str, argv: list[str], timeout: float | None) -> int:
             except subprocess.TimeoutExpired:
                 continue
         return 124
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv=None) -> int:

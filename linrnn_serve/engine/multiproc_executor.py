@@ -84,7 +84,8 @@ class MultiprocExecutor(Executor):
             set_nccl_env_defaults()  # inherited by the spawned ranks
         dump_dir = os.environ.get(DUMP_DIR_ENV) or tempfile.mkdtemp(prefix="linrnn-tp-")
         os.makedirs(dump_dir, exist_ok=True)
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(dump_dir, "nccl_trace_rank_"))
+        if backend == "nccl":  # the flight recorder's per-rank dump on a collective timeout, beside the stacks
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(dump_dir, "nccl_trace_rank_"))
         self.spec = WorkerSpec(
             c, self.model_config, self.model_dir, self.device.type, self.dtype, self.max_model_len, N,
             f"tcp://127.0.0.1:{_free_port()}", backend, GROUP_TIMEOUT_S, self.calibration_tokens,
@@ -110,6 +111,11 @@ class MultiprocExecutor(Executor):
                 self.procs.append(p)
                 self.conns.append(parent)
             self.watch.stage(f"spawned ranks 1..{N - 1}: pids {' '.join(str(p.pid) for p in self.procs)}")
+            for i in range(N - 1):  # every worker runs before rank 0 waits for it in the rendezvous
+                self._recv(i, "started")
+            # a worker dying during start-up aborts rank 0's collectives at once (NCCL would wait on it)
+            self._watcher = threading.Thread(target=self._watch, name="linrnn-tp-watch", daemon=True)
+            self._watcher.start()
             self.worker = build_worker(self.spec, 0, self.progress, self.watch)
             start_up(self.worker, self.spec, self.watch, self._agree_budget)
             self.budget = self._agreed
@@ -121,8 +127,6 @@ class MultiprocExecutor(Executor):
             self.watch.stage(f"start-up failed: {type(e).__name__}: {e}")
             self.shutdown()
             raise
-        self._watcher = threading.Thread(target=self._watch, name="linrnn-tp-watch", daemon=True)
-        self._watcher.start()
         log.info("tensor parallel: %s over %d %s ranks (%s); worker pids %s", self.parallel.describe(), N,
                  self.device.type, self.spec.backend, " ".join(str(p.pid) for p in self.procs))
 
@@ -250,7 +254,7 @@ class MultiprocExecutor(Executor):
                 self._dead = (f"tensor-parallel rank {i + 1} exited with status {p.exitcode}{err} "
                               f"(stage logs and stacks: {self.spec.dump_dir})")
                 log.error("%s", self._dead)
-                self._dump_all_stacks(f"rank {i + 1} is gone")
+                self._dump_all_stacks(f"TP rank 0 stacks: rank {i + 1} is gone")
                 self._abort_collectives()
                 return
 

@@ -124,7 +124,7 @@ class RankWatch:
         """This process's Python stacks (every thread) into the rank's stacks file, under a header."""
         for f in (self._stacks, sys.stderr) if also_stderr else (self._stacks,):
             try:
-                f.write(f"\n==== {time.strftime('%H:%M:%S')} TP rank {self.rank}: {why}\n")
+                f.write(f"\n==== {time.strftime('%H:%M:%S')} {why}\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
                 f.flush()

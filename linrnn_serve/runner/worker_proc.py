@@ -11,6 +11,7 @@ run the same shapes everywhere, and a failure of either on one rank is fatal (a 
 eagerly while the others captured would leave them waiting in a collective).
 
 Protocol on the process's Pipe (plain picklable data):
+    worker -> core   ("started", pid)               first thing (a worker that cannot even start fails fast)
     worker -> core   ("budget", CacheBudget)        after loading its shard
     core -> worker   ("budget", CacheBudget)        the one every rank uses (the minimum)
     worker -> core   ("ready", describe dict)       caches allocated, graphs captured
@@ -108,6 +109,7 @@ def start_up(w: Worker, spec: WorkerSpec, watch: RankWatch, agree: Callable[[Cac
 
 
 def worker_main(conn, rank: int, spec: WorkerSpec) -> None:
+    conn.send(("started", os.getpid()))  # imported and running: the core joins the group only after this
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     logging.getLogger("linrnn_serve.tp").setLevel(logging.INFO)  # the start-up stages of every rank
     if spec.cpu_threads:
