@@ -43,9 +43,8 @@ def test_tp2_ep2_on_one_gpu_match_tp1(a3b_dir, tmp_path):  # noqa: F811
         rep = json.load(f)
     for c in ("tp2", "ep2"):
         r = rep["report"][c]
+        # every stream's logits are compared at least at its first position (the prompt's last token)
         assert not r["unexplained"] and r["logits_rel_max"] <= BF16_LOGITS_REL, (c, r)
-        # most streams agree all the way (a flipped near-tie is rare on these logits)
-        assert r["streams_identical"] >= r["streams"] // 2, (c, r)
         d = rep["describe"][c]
         assert d["tensor_parallel_size"] == 2 and d["comm_backend"] == "gloo" and d["device"] == "cuda:0"
     assert rep["describe"]["ep2"]["expert_parallel"] and not rep["describe"]["tp2"]["expert_parallel"]

@@ -10,7 +10,7 @@ in its own process (so the GPUs are free for the next), with a fixed prompt set 
 of a fixed seed, different lengths) decoded greedily for --max-tokens tokens, logging every step's
 logits. Prints per configuration: streams identical to the baseline (of how many), the first
 position where one differs, and the logits' relative error ||a - b|| / ||b|| per sequence (max and
-median over the positions where the streams still agree). Writes <out>/<config>.pt and
+median over the positions whose inputs agree: up to and including a stream's first difference). Writes <out>/<config>.pt and
 <out>/tp_compare.json.
 
 Where a stream differs from the baseline, the difference is "explained" when the baseline's margin
@@ -87,7 +87,7 @@ def compare(base: dict, other: dict) -> dict:
         n = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
         same += n == len(b)
         first_diff.append(None if n == len(b) else n)
-        for j in range(n):  # logits of positions whose inputs still agree
+        for j in range(min(n + 1, len(b))):  # logits of positions whose inputs agree (up to the first difference)
             la, lb = other["logits"][i][j], base["logits"][i][j]
             errs.append(((la - lb).norm() / lb.norm()).item())
         if n < len(b):  # a near-tie that the perturbation may flip, or a bug?
