@@ -18,8 +18,8 @@ serve_and_bench() {  # $1: label, $2: port; env decides where the core runs
   el "$1: server up (pid $srv; child processes: $(cat /proc/$srv/task/$srv/children 2>/dev/null | wc -w))"
   ps -o pid,ppid,rss,args --ppid "$srv" | cut -c1-120
   timeout 100 python3 -m linrnn_serve bench serve --base-url "http://127.0.0.1:$2" --input-len 128 --output-len 128 \
-    --max-concurrency 1,64 --out "$OUT/serve_$1.json" 2>&1 | grep "^|"
-  curl -s "127.0.0.1:$2/metrics" | grep -E "core_decode_step_seconds_(sum|count)|core_decode_steps_total" | head -4
+    --max-concurrency 1,64 --out "$OUT/serve_$1.json" 2>&1 | awk '/^\| concurrency/{p=1} p'
+  curl -s "127.0.0.1:$2/metrics" | grep -E "^linrnn:core_decode_(step_seconds_(sum|count)|steps_total)" | head -4
   kill -INT $srv; wait $srv
   el "$1: done"
 }
