@@ -6,9 +6,11 @@
     AsyncMPClient    engine/core_client.py  the server's client of the core process: generate / abort / stats
     protocol         engine/protocol.py     msgspec messages between core and client
     AsyncLLMEngine   engine/async_engine.py in-process alternative: the step loop in a background thread
-    Tokenizer        engine/tokenizer.py    encode / decode / chat template / incremental detokenizer
-    outputs          engine/outputs.py      RequestOutput, CompletionOutput, EngineFullError, PromptTooLongError,
-                                            EngineDeadError
+    Tokenizer        engine/tokenizer.py    encode / decode / chat template / incremental detokenizer (DecodeStream)
+    validate_request engine/validation.py   the one place a request is checked (and its extras applied)
+    errors           engine/errors.py       typed errors: RequestError (SamplingParamError, StructuredOutputError,
+                                            PromptTooLongError), EngineFullError, EngineDeadError
+    outputs          engine/outputs.py      RequestOutput, CompletionOutput
 """
 from __future__ import annotations
 
