@@ -52,6 +52,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never generate these words
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
     bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's logit_bias)
     extra_args: dict[str, Any] | None = None
 
     MAX_LOGPROBS = 20
@@ -111,3 +112,5 @@ class SamplingParams:
                                           f"{self.truncate_prompt_tokens!r}")
         if any(not isinstance(w, str) or not w for w in self.bad_words):
             bad("bad_words", "bad_words must be non-empty strings")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            bad("logit_bias", "logit_bias values must be in [-100, 100]")

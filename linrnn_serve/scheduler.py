@@ -513,7 +513,7 @@ class Scheduler:
         row = SamplingRow(seq.seq_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                           u=u, presence_penalty=p.presence_penalty,
                           frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                          logprobs=p.logprobs)
+                          logprobs=p.logprobs, logit_bias=p.logit_bias or None)
         if row.presence_penalty or row.frequency_penalty or row.repetition_penalty != 1.0:
             row.output_token_ids = seq.output_token_ids
             if row.repetition_penalty != 1.0:

@@ -5,7 +5,7 @@ Requests are strict about types (no string -> number coercion): a wrong type nam
 top-level fields of the generation requests are accepted and named in a logged warning (vLLM's rule);
 nested objects stay strict ("Unrecognized request argument supplied: <name>"). Documented OpenAI
 fields that this server cannot honour are accepted only at their neutral value (see `_NEUTRAL`), so a
-client that sends `logit_bias: {}` still works, while one that asks for audio gets a 400 instead of
+client that sends `best_of: 1` still works, while one that asks for audio gets a 400 instead of
 silently different behaviour.
 """
 from __future__ import annotations
@@ -41,7 +41,6 @@ _STOP_HINT = "a string, an array of up to 16 strings, or null"
 
 # field -> values that mean "feature not used"; anything else is refused as unsupported
 _NEUTRAL: dict[str, tuple] = {
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "functions": (None, []),

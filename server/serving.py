@@ -149,9 +149,22 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
     p.allowed_token_ids = list(req.allowed_token_ids) if req.allowed_token_ids is not None else None
     p.bad_words = list(req.bad_words or [])
     p.truncate_prompt_tokens = req.truncate_prompt_tokens
+    p.logit_bias = logit_bias_of(req.logit_bias)
     if req.prompt_logprobs is not None and p.prompt_logprobs is None:
         p.prompt_logprobs = req.prompt_logprobs
     return p
+
+
+def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token-id strings -> bias) as SamplingParams wants it; the engine checks the
+    ids against the vocabulary and the values' range."""
+    if not bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings), e.g. {\"50256\": -100}",
+                          "logit_bias", "invalid_value") from None
 
 
 _SO_KEYS = {"json", "regex", "choice", "grammar", "json_object"}

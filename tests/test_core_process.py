@@ -185,7 +185,7 @@ NON_DEFAULT = dict(
     logprobs=3, prompt_logprobs=2, include_stop_str_in_output=True, skip_special_tokens=False,
     structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
     allowed_token_ids=[1, 2, 3], bad_words=["foo", "bar baz"], truncate_prompt_tokens=5,
-    bad_words_token_ids=[[1, 2], [3]], extra_args={"k": [1, "v"], "d": {"x": 1.5}})
+    bad_words_token_ids=[[1, 2], [3]], logit_bias={5: 2.5, 7: -100.0}, extra_args={"k": [1, "v"], "d": {"x": 1.5}})
 
 
 def test_every_sampling_param_crosses_the_wire():
@@ -221,6 +221,7 @@ def _request_cases():
         ("café", SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=8, presence_penalty=1.0,
                                 frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.02, top_k=20,
                                 stop_token_ids=[7], min_tokens=3)),
+        ("bias", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={42: 100.0, 7: -5.0})),
         ("emoji", SamplingParams(temperature=0, max_tokens=8, skip_special_tokens=False, ignore_eos=True,
                                  stop=["o"], include_stop_str_in_output=True)),
     ]
@@ -252,6 +253,7 @@ def test_request_extras_and_prefix_hits_match_the_offline_engine(model_dir):
                    [(b.token_ids, b.text, b.finish_reason, b.stop_reason) for b in w.outputs]
         assert len(got[4].prompt_token_ids) == 4  # truncate_prompt_tokens
         assert got[0].outputs[0].text in ("red", "green")
+        assert got[6].outputs[0].token_ids == [42] * 4  # logit_bias +100
     finally:
         client.shutdown_sync(timeout=5)
 

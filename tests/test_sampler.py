@@ -121,6 +121,23 @@ def test_penalties_match_formula():
     assert S.needs_logit_edits([rows[2]])
 
 
+def test_logit_bias_comes_before_the_penalties():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, V, generator=g)
+    bias = {4: 2.5, 9: -100.0, V + 3: 7.0}  # an id past the logits row (a padded vocab) is ignored
+    rows = [SamplingRow(0, logit_bias=bias), None,
+            SamplingRow(2, logit_bias={4: 1.5}, repetition_penalty=1.5, output_token_ids=[4], prompt_token_ids=[])]
+    assert S.needs_logit_edits([rows[0]]) and S.needs_logit_edits([rows[2]])
+    y = S.apply_logit_edits(x, rows)
+    want = x[0].clone()
+    want[4] += 2.5
+    want[9] -= 100.0
+    assert torch.equal(y[0], want) and torch.equal(y[1], x[1])
+    b = x[2, 4] + 1.5
+    assert torch.allclose(y[2, 4], b / 1.5 if b > 0 else b * 1.5)  # vLLM order: bias, then penalties
+    assert torch.equal(y[2, 5:], x[2, 5:])
+
+
 def test_logprobs_of():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, V, generator=g)

@@ -45,6 +45,10 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, limits: Requ
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
             raise RequestError(f"Token id {t!r} in the prompt is out of range (the vocabulary has {V} tokens).",
                                "prompt")
+    bias = params.logit_bias
+    if bias and any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V for t in bias):
+        raise RequestError(f"logit_bias token ids must be in [0, {V}), got {sorted(map(repr, bias))[:5]}",
+                           "logit_bias")
     if params.truncate_prompt_tokens is not None:
         ids = ids[-params.truncate_prompt_tokens:]
     _check_length(len(ids), params, limits)

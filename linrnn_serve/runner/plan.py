@@ -56,12 +56,13 @@ class SamplingRow:
     output_token_ids: list[int] | None = None  # needed only when a penalty is set
     prompt_token_ids: list[int] | None = None  # repetition penalty counts the prompt too
     banned_token_ids: list[int] = field(default_factory=list)  # EOS / stop ids while < min_tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (first of the edits)
     logprobs: int | None = None  # top-N alternatives + the sampled token's logprob
 
     @property
     def needs_logit_edits(self) -> bool:
         """True when this row's logits must be changed before sampling (the eager path)."""
-        return bool(self.banned_token_ids) or self.presence_penalty != 0.0 or \
+        return bool(self.banned_token_ids) or bool(self.logit_bias) or self.presence_penalty != 0.0 or \
             self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property

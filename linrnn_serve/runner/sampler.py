@@ -11,8 +11,8 @@ Everything on the decode hot path is shape-static and sync-free, so it runs insi
 * top-k / top-p need a sort of the vocabulary: a separate variant (`use_sort`) only used when some
   row of the batch asks for them.
 
-Penalties (presence / frequency / repetition) and the min_tokens ban of EOS / stop ids change the
-logits first; they need per-sequence token lists, so they run eagerly (`apply_logit_edits`), only
+logit_bias, penalties (presence / frequency / repetition) and the bans (min_tokens: EOS / stop ids;
+bad_words) change the logits first; they need per-sequence token lists, so they run eagerly (`apply_logit_edits`), only
 for batches that have such a row. Rows without edits are bit-unchanged by it.
 
 Logprobs are those of the raw model distribution (vLLM's default `raw_logprobs`): log_softmax of
@@ -97,11 +97,19 @@ def needs_logit_edits(rows: list[SamplingRow | None]) -> bool:
 
 
 def apply_logit_edits(logits: torch.Tensor, rows: list[SamplingRow | None]) -> torch.Tensor:
-    """f32 copy of logits with penalties (vLLM order: repetition on prompt+output tokens, then
-    frequency and presence on output tokens) and min_tokens bans applied; `None` rows are padding."""
+    """f32 copy of logits with logit_bias, penalties (vLLM order: bias, repetition on prompt+output
+    tokens, then frequency and presence on output tokens) and min_tokens / bad_words bans applied;
+    `None` rows are padding."""
     x = logits.float().clone()
     B, V = x.shape
     dev = x.device
+    biased = [(i, r.logit_bias) for i, r in enumerate(rows) if r is not None and r.logit_bias]
+    if biased:
+        bi = torch.tensor([i for i, b in biased for _ in b], dtype=torch.long)
+        bt = torch.tensor([t for _, b in biased for t in b], dtype=torch.long)
+        bv = torch.tensor([v for _, b in biased for v in b.values()], dtype=torch.float32)
+        keep = bt < V
+        x.index_put_((bi[keep].to(dev), bt[keep].to(dev)), bv[keep].to(dev), accumulate=True)
     pen = [i for i, r in enumerate(rows) if r is not None and (
         r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0)]
     if pen:
