@@ -1,8 +1,8 @@
 """Prometheus metrics in the text exposition format (0.0.4), rendered without a client library.
 
-The engine owns the numbers (`AsyncLLMEngine.stats()`: scheduler gauges, cache usage, token and
-preemption counters, TTFT / inter-token / end-to-end histograms); this module renders that snapshot
-generically, so a series the engine adds later shows up without a server change:
+The engine owns the numbers (the engine client's `stats()`, the core process's snapshot: scheduler
+gauges, cache usage, token and preemption counters, TTFT / inter-token / end-to-end histograms); this
+module renders that snapshot generically, so a series the engine adds later shows up without a server change:
 
     number, key ending in `_total`   -> counter          dict of numbers -> counter, one label per key
     other number                     -> gauge            {"buckets", "sum", "count"} -> histogram
