@@ -251,6 +251,8 @@ def _chunk_state_kernel(
     i_hk = i_h // GROUP
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    if eos == bos:  # an empty sequence (CUDA-graph padding, runner/prefill_graphs.py): its state is unchanged
+        return
     first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
     slot = tl.load(state_indices + i_n)
 

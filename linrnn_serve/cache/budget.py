@@ -112,16 +112,19 @@ def compute_budget(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.d
                    bf16_heads: list[list[bool]] | None = None, num_kv_blocks: int | None = None,
                    activation_peak: int | None = None, max_num_batched_tokens: int = 2048,
                    enforce_eager: bool = False, mem_info: tuple[int, int] | None = None,
-                   prefix_snapshot_fraction: float = 0.0, num_prefix_snapshots: int | None = None) -> CacheBudget:
+                   prefix_snapshot_fraction: float = 0.0, num_prefix_snapshots: int | None = None,
+                   prefill_graph_tokens: int = 0) -> CacheBudget:
     """Decide the cache sizes. `activation_peak` is a profile run's peak scratch bytes (the caller
     measures it with the weights loaded); `mem_info` = (free, total) bytes, default from CUDA.
     `prefix_snapshot_fraction` > 0 (prefix caching on) gives that share of the KV memory to state
-    snapshots."""
+    snapshots. `prefill_graph_tokens` > 0: prefill forwards of up to that many tokens are captured in
+    CUDA graphs (runner/prefill_graphs.py), whose pool keeps such a forward's scratch."""
     out = _compute_kv(cfg, device=device, act_dtype=act_dtype, kv_dtype=kv_dtype, max_num_seqs=max_num_seqs,
                       max_model_len=max_model_len, block_size=block_size,
                       gpu_memory_utilization=gpu_memory_utilization, bf16_heads=bf16_heads,
                       num_kv_blocks=num_kv_blocks, activation_peak=activation_peak,
-                      max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager, mem_info=mem_info)
+                      max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager, mem_info=mem_info,
+                      prefill_graph_tokens=prefill_graph_tokens)
     out.snapshot_bytes_each = out.state_bytes_per_seq + cfg.vocab_size * _elt(act_dtype)
     if num_prefix_snapshots is not None:
         if num_prefix_snapshots < 1:
@@ -150,7 +153,7 @@ def _compute_kv(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.dtyp
                 max_num_seqs: int, max_model_len: int, block_size: int, gpu_memory_utilization: float,
                 bf16_heads: list[list[bool]] | None, num_kv_blocks: int | None, activation_peak: int | None,
                 max_num_batched_tokens: int, enforce_eager: bool,
-                mem_info: tuple[int, int] | None) -> CacheBudget:
+                mem_info: tuple[int, int] | None, prefill_graph_tokens: int = 0) -> CacheBudget:
     slots = max_num_seqs + 1
     per_seq = state_bytes_per_seq(cfg, act_dtype, bf16_heads)
     per_block = PagedKVCache.bytes_per_block(cfg, block_size, kv_dtype)
@@ -178,6 +181,8 @@ def _compute_kv(cfg: ModelConfig, *, device: torch.device, act_dtype: torch.dtyp
     # decode logits buffer + sampling scratch at the largest batch (f32 probs, sort values and
     # int64 order, f64 cumulative sums), live in eager mode too and held by the graph pool
     graphs += max_num_seqs * cfg.vocab_size * (_elt(act_dtype) + SAMPLER_BYTES_PER_LOGIT)
+    if not enforce_eager and prefill_graph_tokens > 0:  # the prefill graphs' pool: its largest bucket's scratch
+        graphs += int(act * min(1.0, prefill_graph_tokens / max(max_num_batched_tokens, 1)))
     out.activation_reserve, out.graph_reserve = act, graphs
     left = int(total * gpu_memory_utilization) - in_use - out.state_bytes - act - graphs
     need_one = -(-max_model_len // block_size) + 1

@@ -60,10 +60,12 @@ class GraphSet:
         self.graphs[(bucket, kind)].replay()
 
     def capture(self, buckets: list[int], kinds: dict[str, Callable[[int], None]], device: torch.device,
-                warmup: int = 2, progress: bool = True, note: Callable[[str], None] | None = None) -> None:
+                warmup: int = 2, progress: bool = True, note: Callable[[str], None] | None = None,
+                prepare: Callable[[int], None] | None = None, desc: str = "capturing CUDA graphs") -> None:
         """Every rank of a tensor-parallel group captures the same (bucket, kind) list in the same
         order: the step graphs hold its collectives, warmed up eagerly (on the side stream) right
-        before each capture. `note(what)` marks progress before each warm-up and capture."""
+        before each capture. `note(what)` marks progress before each warm-up and capture.
+        `prepare(bucket)`, if given, runs before each bucket's warm-up (e.g. writes its static inputs)."""
         note = note or (lambda what: None)
         torch.cuda.synchronize(device)
         free0 = torch.cuda.mem_get_info(device)[0]
@@ -75,11 +77,13 @@ class GraphSet:
             try:
                 from tqdm.auto import tqdm
 
-                it = tqdm(order, desc="capturing CUDA graphs", unit="bucket")
+                it = tqdm(order, desc=desc, unit="bucket")
             except ImportError:  # pragma: no cover
                 pass
         stream = torch.cuda.Stream(device)
         for b in it:
+            if prepare is not None:
+                prepare(b)
             for kind, fn in kinds.items():
                 # warm up on a side stream (Triton compilation / autotuning, cuBLAS handles) ...
                 note(f"graph bucket {b} {kind}: warm-up")

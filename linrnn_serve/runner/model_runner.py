@@ -7,8 +7,10 @@ Per step (runner/plan.py):
      inputs written into static buffers; the block table of each row is gathered on the device from
      a per-slot table (`slot_tables`), so per step only token ids, positions, slots and sampling
      parameters cross the bus;
-  3. prefill: the chunks in one eager varlen forward; logits only for the rows that sample and for
-     prompt-logprob positions (batch.logits_indices);
+  3. prefill: the chunks in one varlen forward; logits only for the rows that sample and for
+     prompt-logprob positions (batch.logits_indices). Up to prefill_graphs.PREFILL_GRAPH_MAX_TOKENS
+     tokens it runs padded to a token bucket, replayed from a CUDA graph (prefill_graphs.py); longer
+     ones (and prompt-logprob steps) run eagerly;
   4. prefix-cache snapshots of states this forward produced (prompt ends, divergence points) are
      saved with their last token's logits; sequences whose whole prompt was such a snapshot sample
      from the stored logits; n > 1 forks copy the prompt's recurrent state to the samples' slots;
@@ -28,6 +30,7 @@ from linrnn_serve.runner.inputs import SeqWork, build_forward_batch
 from linrnn_serve.runner.plan import (
     CachedSampleRow, DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult,
 )
+from linrnn_serve.runner.prefill_graphs import PrefillGraphs
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,10 @@ PROMPT_LOGPROB_SLICE = 256  # rows of f32 log-softmax computed at once for promp
 
 class ModelRunner:
     def __init__(self, model, caches: ModelCaches, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                 enforce_eager: bool = False, progress: bool = True):
+                 enforce_eager: bool = False, progress: bool = True, max_num_batched_tokens: int = 2048,
+                 pad_prefill: bool | None = None):
+        """pad_prefill: short prefills padded to token buckets (captured unless enforce_eager); None:
+        on CUDA for an unsharded model (prefill_graphs.py)."""
         self.model, self.caches = model, caches
         self.device = next(model.parameters()).device
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -72,6 +78,11 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self.progress = progress
         self._last: list[tuple[list[int], torch.Tensor]] = []
+        if pad_prefill is None:
+            pad_prefill = prefill_padding_default(model, dev)
+        self.prefill_graphs = PrefillGraphs(
+            model, caches, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=block_size, device=dev) if pad_prefill else None
 
     # ---- CUDA graphs -----------------------------------------------------------------------
     def capture_graphs(self, strict: bool = False, note=None) -> None:
@@ -100,6 +111,8 @@ class ModelRunner:
             self.use_graphs = False
             torch.cuda.synchronize(self.device)
         self._reset_static(self.max_batch)
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture(progress=self.progress)
         torch.cuda.synchronize(self.device)
 
     # ---- the captured region ---------------------------------------------------------------
@@ -247,10 +260,9 @@ class ModelRunner:
         return samp, ids[:n], self.logits_buf[:n]
 
     def _run_prefill(self, rows: list[PrefillRow], result: StepResult, fill_bitmask=None):
-        """One eager varlen forward; logits only for sampled rows (a fork samples n times from its
-        prompt's last row) and prompt-logprob positions."""
-        work = [SeqWork(r.token_ids, r.start_pos, r.slot, r.block_table) for r in rows]
-        batch = build_forward_batch(work, self.block_size, self.device)
+        """One varlen forward (padded to a token bucket and replayed from a CUDA graph when short, else
+        eager); logits only for sampled rows (a fork samples n times from its prompt's last row) and
+        prompt-logprob positions."""
         starts, cu = [], 0
         for r in rows:
             starts.append(cu)
@@ -277,8 +289,16 @@ class ModelRunner:
             k += len(r.samples)
         if not sel:  # a middle chunk: state and KV only
             sel = [cu - 1]
-        batch.logits_indices = torch.tensor(sel, dtype=torch.long, device=self.device)
-        logits = self.model(batch, self.caches)
+        pg = self.prefill_graphs
+        bucket = pg.bucket_for(cu, len(rows), len(sel)) if pg is not None and not plp_rows else None
+        if bucket is not None:
+            pg.stage(bucket, [(r.token_ids, r.start_pos, r.slot, r.block_table) for r in rows], sel)
+            logits = pg.run(bucket)[:len(sel)]
+        else:
+            work = [SeqWork(r.token_ids, r.start_pos, r.slot, r.block_table) for r in rows]
+            batch = build_forward_batch(work, self.block_size, self.device)
+            batch.logits_indices = torch.tensor(sel, dtype=torch.long, device=self.device)
+            logits = self.model(batch, self.caches)
         k = len(samp)
         for r, pos in plp_rows:
             result.prompt_logprobs[r.seq_id] = self._prompt_logprobs(logits[k:k + len(pos)], r, pos)
@@ -338,3 +358,10 @@ class ModelRunner:
                 out[sid] = logits[i]
         return out
 
+
+
+def prefill_padding_default(model, device: torch.device) -> bool:
+    """Short prefills are padded to buckets (and captured) on CUDA for an unsharded model; tensor-parallel
+    prefill stays eager (collectives in prefill graphs are untested)."""
+    shard = getattr(model, "shard", None)
+    return device.type == "cuda" and not (shard is not None and shard.parallel)

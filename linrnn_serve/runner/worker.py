@@ -26,7 +26,8 @@ from linrnn_serve.cache.budget import CacheBudget, compute_budget
 from linrnn_serve.classifier import build_head_map
 from linrnn_serve.config import EngineConfig, ModelConfig
 from linrnn_serve.models.loading import load_model
-from linrnn_serve.runner.model_runner import ModelRunner
+from linrnn_serve.runner.model_runner import ModelRunner, prefill_padding_default
+from linrnn_serve.runner.prefill_graphs import PREFILL_GRAPH_MAX_TOKENS
 from linrnn_serve.runner.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ class Worker:
             num_kv_blocks=c.num_kv_blocks, activation_peak=peak, max_num_batched_tokens=c.max_num_batched_tokens,
             enforce_eager=c.enforce_eager,
             prefix_snapshot_fraction=c.prefix_snapshot_fraction if c.enable_prefix_caching else 0.0,
-            num_prefix_snapshots=c.num_prefix_snapshots if c.enable_prefix_caching else None, mem_info=mem_info)
+            num_prefix_snapshots=c.num_prefix_snapshots if c.enable_prefix_caching else None, mem_info=mem_info,
+            prefill_graph_tokens=(min(c.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)
+                                  if prefill_padding_default(self.model, self.device) else 0))
 
     def init_caches(self, budget: CacheBudget) -> None:
         c = self.config
@@ -102,7 +105,8 @@ class Worker:
         self.caches = ModelCaches(state, kv, snapshots, snapshot_logits)
         self.runner = ModelRunner(self.model, self.caches, max_num_seqs=c.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=c.block_size,
-                                  enforce_eager=c.enforce_eager, progress=self.progress)
+                                  enforce_eager=c.enforce_eager, progress=self.progress,
+                                  max_num_batched_tokens=c.max_num_batched_tokens)
 
     @property
     def local_config(self) -> ModelConfig:
