@@ -67,7 +67,8 @@ VLLM_H200_S_TG = {
     "nvfp4": {1: 219, 8: 1258, 32: 3386, 64: 4991, 128: 7797},  # Marlin W4A16 NVFP4 experts
 }
 VLLM_PP, VLLM_TG = 128, 128
-CONFIG_KEYS = ("model", "load-format", "dtype", "ssm-bf16-tau", "enforce-eager", "label", "peer-row", "tp", "ep")
+CONFIG_KEYS = ("model", "load-format", "dtype", "ssm-bf16-tau", "enforce-eager", "label", "peer-row", "tp", "ep",
+               "prefill-graphs")
 COMM_STEPS = 4  # eager decode steps per row with every collective timed (tensor / expert parallel only)
 _T0 = time.perf_counter()
 
@@ -89,14 +90,17 @@ class BenchConfig:
     peer_row: str = "auto"  # auto | nvfp4 | bf16 (which vLLM column --vllm-ref compares with)
     tp: int = 1  # tensor-parallel ranks
     ep: bool = False  # expert-parallel MoE over the tp ranks
+    prefill_graphs: bool = True  # False: LINRNN_PREFILL_GRAPHS=0 (short prefills eager and unpadded)
 
     def __post_init__(self):
-        self.tp, self.ep = int(self.tp), bool(self.ep)
+        self.tp, self.ep, self.prefill_graphs = int(self.tp), bool(self.ep), bool(self.prefill_graphs)
         if not self.label:
             name = os.path.basename(os.path.normpath(self.model))
             self.label = f"{name} " + ("f32 state" if math.isinf(self.ssm_bf16_tau) else f"tau={self.ssm_bf16_tau:g}")
             if self.tp > 1:
                 self.label += f" {'EP' if self.ep else 'TP'}{self.tp}"
+            if not self.prefill_graphs:
+                self.label += " eager prefill"
         if self.peer_row not in ("auto", "nvfp4", "bf16"):
             raise ValueError(f"peer-row must be auto, nvfp4 or bf16, got {self.peer_row!r}")
 
@@ -124,12 +128,12 @@ def parse_config(spec: str, defaults: BenchConfig) -> BenchConfig:
         key = key.strip().replace("_", "-")
         if key not in CONFIG_KEYS:
             raise ValueError(f"--config {spec!r}: unknown key {key!r} (keys: {', '.join(CONFIG_KEYS)})")
-        if not eq and key not in ("enforce-eager", "ep"):
+        if not eq and key not in ("enforce-eager", "ep", "prefill-graphs"):
             raise ValueError(f"--config {spec!r}: {key!r} needs a value ({key}=...)")
         value = value.strip()
         if key == "ssm-bf16-tau":
             kw["ssm_bf16_tau"] = float(value)
-        elif key in ("enforce-eager", "ep"):
+        elif key in ("enforce-eager", "ep", "prefill-graphs"):
             kw[key.replace("-", "_")] = parse_bool(value)
         elif key == "tp":
             kw["tp"] = int(value)
@@ -167,14 +171,17 @@ def int_list(s: str, what: str) -> list[int]:
 # ---- engine construction -------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def engine_overrides(model=None, graph_sizes: list[int] | None = None):
+def engine_overrides(model=None, graph_sizes: list[int] | None = None, prefill_graphs: bool = True):
     """While an LLMEngine is built: reuse an already loaded `model` (same weights, another state
     configuration) and capture CUDA graphs only for `graph_sizes` (the batch sizes timed), instead of
-    every engine bucket. Both are restored on exit."""
+    every engine bucket; prefill_graphs False sets LINRNN_PREFILL_GRAPHS=0. All are restored on exit."""
     import linrnn_serve.runner.model_runner as model_runner
     import linrnn_serve.runner.worker as worker
 
     saved = worker.load_model, model_runner.decode_buckets
+    saved_env = os.environ.get("LINRNN_PREFILL_GRAPHS")
+    if not prefill_graphs:
+        os.environ["LINRNN_PREFILL_GRAPHS"] = "0"
     if model is not None:
         worker.load_model = lambda *a, **k: model
     if graph_sizes:
@@ -184,6 +191,10 @@ def engine_overrides(model=None, graph_sizes: list[int] | None = None):
         yield
     finally:
         worker.load_model, model_runner.decode_buckets = saved
+        if saved_env is None:
+            os.environ.pop("LINRNN_PREFILL_GRAPHS", None)
+        else:
+            os.environ["LINRNN_PREFILL_GRAPHS"] = saved_env
 
 
 def expert_format(model) -> str | None:
@@ -425,7 +436,7 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
     graphs = "all buckets" if shape["graph_sizes"] is None else shape["graph_sizes"]
     log(f"config '{c.label}': building the engine ({source}; CUDA graphs for {graphs})")
     t0 = time.perf_counter()
-    with engine_overrides(cached_model, shape["graph_sizes"]):
+    with engine_overrides(cached_model, shape["graph_sizes"], prefill_graphs=c.prefill_graphs):
         eng = LLMEngine(ec, progress=not args.no_progress)
     engine_s = time.perf_counter() - t0
     mb = ModelBytes.from_engine(eng)
@@ -702,7 +713,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("bench configurations")
     e.add_argument("--config", action="append", default=None, metavar="SPEC",
                    help="a configuration 'model=...,ssm-bf16-tau=...,load-format=...,dtype=...,enforce-eager=..."
-                        ",label=...,peer-row=...,tp=N,ep=true' (repeat for several; replaces the --model x --ssm-bf16-tau product, "
+                        ",label=...,peer-row=...,tp=N,ep=true,prefill-graphs=false' (repeat for several; replaces the --model x --ssm-bf16-tau product, "
                         "unset keys default to the flags)")
     e.add_argument("--graph-sizes", default="npl",
                    help="CUDA-graph batch sizes: 'npl' (only the timed batch sizes: faster start), 'all' "

@@ -157,9 +157,26 @@ def dequant_then_peer(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     return peer_grouped_mm(logits, x, top_k, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16))
 
 
+def ours_mma_any(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
+    """The MMA-fragment kernel at any batch ("nvfp4/mma" follows the engine's choice by batch, which leaves
+    it above experts.MMA_MAX_MEAN_PAIRS pairs per expert): the sweep that places that threshold."""
+    topw, ids = router.route(logits, top_k, True)
+    a, b = with_packed(w13, w2)
+    return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed)
+
+
+def ours_dequant(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
+    """The engine's large-batch path at any batch: dequantize to bf16 (dequant.py), bf16 grouped GEMMs."""
+    from linrnn_kernels.moe import dequant
+
+    return ours(logits, x, top_k, dequant.dequantize(w13), dequant.dequantize(w2))
+
+
 VARIANTS = {
     # name: (weight format, callable(logits, x, k, w13, w2))
     "nvfp4/mma": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, *with_packed(a, b), "mma")),
+    "nvfp4/mma-any": ("nvfp4", ours_mma_any),
+    "nvfp4/dequant-bf16": ("nvfp4", ours_dequant),
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),

@@ -19,6 +19,7 @@ Per step (runner/plan.py):
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -361,7 +362,9 @@ class ModelRunner:
 
 
 def prefill_padding_default(model, device: torch.device) -> bool:
-    """Short prefills are padded to buckets (and captured) on CUDA for an unsharded model; tensor-parallel
-    prefill stays eager (collectives in prefill graphs are untested)."""
+    """Short prefills are padded to buckets (and captured) on CUDA for an unsharded model, unless
+    LINRNN_PREFILL_GRAPHS=0 (A/B runs); tensor-parallel prefill stays eager (collectives in prefill graphs
+    are untested)."""
     shard = getattr(model, "shard", None)
-    return device.type == "cuda" and not (shard is not None and shard.parallel)
+    return (device.type == "cuda" and not (shard is not None and shard.parallel)
+            and os.environ.get("LINRNN_PREFILL_GRAPHS", "1") != "0")
