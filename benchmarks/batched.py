@@ -19,7 +19,7 @@ Several configurations run in one invocation, one after the other, freeing GPU m
 or repeated `--config "model=qwen35moe-nvfp4,ssm-bf16-tau=inf,label=nvfp4 f32"`. A comparison table
 gives each configuration's S_TG relative to a baseline (the first unquantized one by default).
 
-Before timing, a warm-up round per batch size (npp prompt tokens, --warmup-steps decode steps).
+Before timing, a warm-up round per batch size and prompt length (--warmup-steps decode steps).
 CUDA graphs are captured for the npl values only (--graph-sizes all: the engine's buckets).
 --profile NPL[,NPL...] records a torch.profiler trace of --profile-steps decode steps at NPL sequences
 with the last configuration, after every timed row of the run (a profiler session may leave CUPTI
@@ -457,9 +457,10 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
     try:
         if args.warmup_steps > 0:
             t0 = time.perf_counter()
-            for npl in sorted(set(npls)):
-                measure(eng, npps[0], min(args.warmup_steps, ntgs[0]), npl, args.seed + 1, "warmup")
-            log(f"warm-up ({len(set(npls))} batch sizes, {npps[0]} prompt tokens, "
+            for npp in sorted(set(npps)):  # every prompt length: T_PP must not time a first compilation
+                for npl in sorted(set(npls)):
+                    measure(eng, npp, min(args.warmup_steps, ntgs[0]), npl, args.seed + 1, "warmup")
+            log(f"warm-up ({len(set(npls))} batch sizes x {len(set(npps))} prompt lengths, "
                 f"{min(args.warmup_steps, ntgs[0])} decode steps each) took {time.perf_counter() - t0:.1f} s")
         for npp in npps:
             for ntg in ntgs:

@@ -197,7 +197,7 @@ def _check(x, topw, ids, w13, w2):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 2, 3, 8, 31, 64, 128, 255, 256])
+@pytest.mark.parametrize("B", [1, 2, 3, 8, 31, 64, 128, 255, 256, 2048])  # 2048: prefill (64 pairs / expert)
 def test_mma_matches_naive_qwen_shapes(nan_buffers, B):
     E, k, H, I = 256, 8, 2048, 512
     w13, w2 = _weights(E, H, I, "cuda")
@@ -255,13 +255,15 @@ def test_mma_bitwise_reproducible_and_graphs(B):
 
 @pytest.mark.gpu
 def test_mma_dispatch_selected_on_hopper():
-    """moe_experts picks the MMA path for decode batches when packed weights are present."""
+    """moe_experts picks the MMA path for decode batches and prefills up to MMA_MAX_MEAN_PAIRS pairs per
+    expert (2048 tokens at top-8 of 256) when packed weights are present."""
     E, k, H, I = 256, 8, 2048, 512
     w13, w2 = _weights(E, H, I, "cuda", seed=3)
-    x = torch.randn(4, H, device="cuda").bfloat16()
-    topw, ids = naive.route(torch.randn(4, E, device="cuda"), k, True)
-    y = experts.moe_experts(x, topw.bfloat16(), ids, w13, w2)
-    assert torch.equal(y, experts.moe_experts_mma(x, topw.bfloat16(), ids, w13.packed, w2.packed))
+    for B in (4, 2048):
+        x = torch.randn(B, H, device="cuda").bfloat16()
+        topw, ids = naive.route(torch.randn(B, E, device="cuda"), k, True)
+        y = experts.moe_experts(x, topw.bfloat16(), ids, w13, w2)
+        assert torch.equal(y, experts.moe_experts_mma(x, topw.bfloat16(), ids, w13.packed, w2.packed))
 
 
 def test_loader_repacks_nvfp4_experts():

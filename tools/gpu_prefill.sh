@@ -14,21 +14,33 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 timeout 200 python3 -m pytest -m gpu tests/test_prefill_graphs.py tests/test_engine_gpu.py tests/test_prefix_gpu.py \
   -n 3 --dist loadfile -q -p no:cacheprovider -rfE --timeout 190 > $R/tests.log 2>&1; echo "rc $?" >> $R/tests.log
 el "tests done"; tail -3 $R/tests.log; grep -E "^(FAILED|ERROR)" $R/tests.log | head -12
-# B T_PP (and S_TG) with prefill graphs on vs off, one engine build (the second config reuses the weights)
-timeout 170 python3 -m linrnn_serve bench batched --load-format dummy --npp 128,512 --ntg 32 --npl 1,8,64 \
+# B T_PP (and S_TG) with prefill graphs on / off / on (order effects show), one weight load for all three
+timeout 200 python3 -m linrnn_serve bench batched --load-format dummy --npp 128,512 --ntg 32 --npl 1,8,64 \
   --config "model=qwen35moe-nvfp4,label=prefill graphs" --config "model=qwen35moe-nvfp4,prefill-graphs=false" \
+  --config "model=qwen35moe-nvfp4,label=prefill graphs again" \
   --no-progress --out $R/batched > $R/batched.log 2>&1
 el "batched done"; grep -E "^## |^\| (PP|128|512) " $R/batched.md | cut -d'|' -f1-10
-# C serving (graphs on), in 128 / out 128, concurrency 1 and 64
-python3 -m linrnn_serve --model qwen35moe-nvfp4 --load-format dummy --host 127.0.0.1 --port 8014 --max-num-seqs 64 \
-  > $R/server.log 2>&1 &
-S=$!
-for i in $(seq 1 120); do curl -sf 127.0.0.1:8014/health >/dev/null && break; sleep 1; done
-el "server up"
-timeout 90 python3 -m linrnn_serve bench serve --base-url http://127.0.0.1:8014 --input-len 128 --output-len 128 \
-  --max-concurrency 1,64 --out $R/serve.json > $R/serve.log 2>&1
-kill -INT $S; sleep 3; kill -9 $S 2>/dev/null
-el "serve done"; grep "^|" $R/serve.log | head -8; grep -iE "prefill CUDA graph|captured" $R/server.log | head -3
+# C serving, in 128 / out 128: concurrency 1 and 64 with prefill graphs, concurrency 1 without (TTFT A/B)
+serve() {  # $1 label, $2 concurrency list, env before the call
+  python3 -m linrnn_serve --model qwen35moe-nvfp4 --load-format dummy --host 127.0.0.1 --port 8014 --max-num-seqs 64 \
+    > $R/server_$1.log 2>&1 &
+  local S=$!
+  for i in $(seq 1 120); do curl -sf 127.0.0.1:8014/health >/dev/null && break; sleep 1; done
+  timeout 90 python3 -m linrnn_serve bench serve --base-url http://127.0.0.1:8014 --input-len 128 --output-len 128 \
+    --max-concurrency $2 --out $R/serve_$1.json > $R/serve_$1.log 2>&1
+  kill -INT $S; sleep 3; kill -9 $S 2>/dev/null; wait $S 2>/dev/null
+  python3 - $R/serve_$1.json $1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in (d.get("runs", d) if isinstance(d, dict) else d):
+    print(f"{sys.argv[2]}: c={r['max_concurrency']} TTFT median {r['ttft_ms']['median']:.1f} ms (p99 "
+          f"{r['ttft_ms']['p99']:.1f}), TPOT median {r['tpot_ms']['median']:.2f} ms, out tok/s "
+          f"{r.get('output_throughput', r.get('output_token_throughput', float('nan'))):.1f}")
+PY
+}
+serve graphs 1,64
+LINRNN_PREFILL_GRAPHS=0 serve eager 1
+el "serve done"; grep -iE "captured" $R/server_graphs.log | head -3
 # D one MoE layer (35B-A3B shapes, CUDA-graph replays) per path at prefill token counts
 timeout 60 python3 -m linrnn_bench.kernels.moe --batch-sizes 128,512,1024,2048,4096 --sets 2 --warmup 10 --rep 40 \
   --variants nvfp4/mma-any,nvfp4/asm,nvfp4/dequant-bf16 > $R/moe.log 2>&1

@@ -15,10 +15,12 @@ from linrnn_kernels.moe import nvfp4_mma
 from linrnn_kernels.moe.align import moe_align_block_size
 from linrnn_kernels.quant import WeightTensor
 
-# Above this mean number of (token, expert) pairs per expert the 8-token MMA-fragment kernel would
-# decode every weight tile once per 8 tokens: large batches (prefill) use the dequantize-in-tile
-# grouped GEMM with wide row blocks instead
-MMA_MAX_MEAN_PAIRS = 16
+# Up to this mean number of (token, expert) pairs per expert the 8-token MMA-fragment kernel runs (it
+# decodes every weight tile once per 8 tokens); above it the dequantize-in-tile grouped GEMM with wide row
+# blocks. H200, one 35B-A3B layer, CUDA-graph replays (tools/gpu_prefill.sh part D, 2026-11-24), MMA vs
+# grouped GEMM: 128 tokens (4 pairs/expert) 183 vs 329 us, 512 (16) 323 vs 383, 1024 (32) 560 vs 537,
+# 2048 (64) 1032 vs 1408, 4096 (128) 2087 vs 2195 (dequantize + bf16: 1939)
+MMA_MAX_MEAN_PAIRS = 64
 
 # At and above this mean number of pairs per expert (and on a GPU, activations bf16) NVFP4 experts are
 # dequantized once per layer call into a bf16 scratch and the bf16 grouped GEMM runs on it (prefill:

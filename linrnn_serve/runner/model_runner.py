@@ -362,9 +362,11 @@ class ModelRunner:
 
 
 def prefill_padding_default(model, device: torch.device) -> bool:
-    """Short prefills are padded to buckets (and captured) on CUDA for an unsharded model, unless
-    LINRNN_PREFILL_GRAPHS=0 (A/B runs); tensor-parallel prefill stays eager (collectives in prefill graphs
-    are untested)."""
+    """Short prefills are padded to buckets (and captured) on CUDA for an unsharded model. LINRNN_PREFILL_GRAPHS=0
+    turns that off (A/B runs), =1 on for any device (CPU tests of the padded layout). Tensor-parallel prefill
+    stays eager (collectives in prefill graphs are untested)."""
     shard = getattr(model, "shard", None)
-    return (device.type == "cuda" and not (shard is not None and shard.parallel)
-            and os.environ.get("LINRNN_PREFILL_GRAPHS", "1") != "0")
+    if shard is not None and shard.parallel:
+        return False
+    flag = os.environ.get("LINRNN_PREFILL_GRAPHS")
+    return flag != "0" if flag is not None else device.type == "cuda"

@@ -24,7 +24,8 @@ device). One graph per bucket, in a memory pool of their own, captured largest f
 The eager path (enforce_eager, or a failed capture) runs the very same padded forward on the same
 static buffers, so graphs on and off give bit-identical logits and states. Whether a step is padded
 is a function of the plan alone (`PrefillGraphs.bucket_for`): more tokens than the largest bucket,
-more logits rows than L_b, or prompt logprobs run the plain unpadded eager forward in both modes.
+more logits rows than L_b, one token per row (the decode kernels) or prompt logprobs run the plain
+unpadded eager forward in both modes.
 On the CPU padding is off (no graphs to match); tests switch it on.
 """
 from __future__ import annotations
@@ -88,7 +89,11 @@ class PrefillGraphs:
         return s + 1 if s == bucket else s  # tokens == rows would select the one-token decode kernels
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_logits_rows: int) -> int | None:
-        """The bucket a prefill of these sizes runs in, or None (plain eager forward)."""
+        """The bucket a prefill of these sizes runs in, or None (plain eager forward). One token per row
+        (e.g. the last prompt token after a prefix-cache restore) stays unpadded: that forward takes the
+        decode kernels, whose results equal a decode step's bit for bit (lossless prefix restore)."""
+        if num_tokens == num_seqs:
+            return None
         for b in self.buckets:
             if b >= num_tokens:
                 rows = self.rows(b)
