@@ -360,7 +360,6 @@ class ModelRunner:
         return out
 
 
-
 def prefill_padding_default(model, device: torch.device) -> bool:
     """Short prefills are padded to buckets (and captured) on CUDA for an unsharded model. LINRNN_PREFILL_GRAPHS=0
     turns that off (A/B runs), =1 on for any device (CPU tests of the padded layout). Tensor-parallel prefill
