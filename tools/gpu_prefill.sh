@@ -4,8 +4,9 @@
 # 35B-A3B-shaped NVFP4 model, graphs on == off streams, lossless prefix restore); (B) `bench batched` T_PP with
 # prefill graphs on vs off (LINRNN_PREFILL_GRAPHS=0); (C) `bench serve` TTFT / TPOT / tok/s at concurrency 1
 # and 64 (in 128 / out 128); (D) one MoE layer per expert path at prefill sizes, for the MMA / grouped-GEMM /
-# dequantize thresholds (kernels/moe/experts.py: MMA_MAX_MEAN_PAIRS = 16 pairs per expert, i.e. T <= 512 at
+# dequantize thresholds (kernels/moe/experts.py: MMA_MAX_MEAN_PAIRS = 64 pairs per expert, i.e. T <= 2048 at
 # top-8 of 256; DEQUANT_MIN_MEAN_PAIRS = 128, T >= 4096). Results under $OUT/prefill.tgz; short tables printed.
+# Measured 2026-11-24 (benchmarks/results/prefill_graphs/h200_first_run/): ~290 s.
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; R=/tmp/prefill; mkdir -p $R $OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
