@@ -14,6 +14,7 @@ The GPU profile of `bench batched --profile` reports the measured count (`launch
 one makes progress measurable before a GPU run and names where the launches come from.
 
     linrnn-serve bench launches --npl 1            # table by source, total per step
+    linrnn-serve bench launches --prefill-tokens 128   # one eager prefill forward instead
 """
 from __future__ import annotations
 
@@ -102,10 +103,36 @@ def count_decode_launches(cfg, npl: int, dtype=torch.bfloat16, quant="auto") -> 
     return counts
 
 
+def count_prefill_launches(cfg, tokens: int, dtype=torch.bfloat16, quant="auto") -> collections.Counter:
+    """Launch counts of one eager prefill forward of a single `tokens`-token prompt (what a prefill CUDA
+    graph replays at once up to runner/prefill_graphs.PREFILL_GRAPH_MAX_TOKENS tokens). On meta tensors
+    the MoE takes the grouped-GEMM path (the Hopper MMA kernel needs a GPU): a few launches per layer differ."""
+    from linrnn_kernels.dispatch import triton_on
+    from linrnn_serve.cache import HybridStateCache, ModelCaches, PagedKVCache
+    from linrnn_serve.models.loading import quant_plan
+    from linrnn_serve.models.registry import build_model
+    from linrnn_serve.runner.inputs import SeqWork, build_forward_batch
+
+    import linrnn_kernels.moe.nvfp4_mma  # noqa: F401 (its import builds lookup tables: not the forward's launches)
+
+    meta = torch.device("meta")
+    model = build_model(cfg, dtype, meta, quant_plan(cfg) if quant == "auto" else quant)
+    block_size = 16
+    blocks = -(-tokens // block_size)
+    caches = ModelCaches(HybridStateCache(cfg, 2, dtype, meta), PagedKVCache(cfg, blocks + 1, block_size, dtype, meta))
+    batch = build_forward_batch([SeqWork([1] * tokens, 0, 1, list(range(1, blocks + 1)))], block_size, meta)
+    counts: collections.Counter = collections.Counter()
+    with torch.inference_mode(), triton_on("meta"), _intercept_triton(counts), _OpCounter(counts):
+        model(batch, caches)
+    return counts
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen35moe-nvfp4", help="preset name or checkpoint dir (config only)")
     p.add_argument("--npl", default="1", help="comma list of batch sizes")
-    p.add_argument("--json", default=None, help="write {npl: {name: count}} here")
+    p.add_argument("--prefill-tokens", default=None,
+                   help="comma list: count one eager prefill forward of a prompt of that many tokens instead")
+    p.add_argument("--json", default=None, help="write {npl (or tokens): {name: count}} here")
     p.add_argument("--top", type=int, default=40)
 
 
@@ -114,11 +141,13 @@ def run(args) -> int:
 
     cfg = resolve_model(args.model, "dummy").cfg
     out = {}
-    for npl in (int(v) for v in args.npl.split(",")):
-        c = count_decode_launches(cfg, npl)
+    prefill = args.prefill_tokens is not None
+    for n in (int(v) for v in (args.prefill_tokens if prefill else args.npl).split(",")):
+        c = count_prefill_launches(cfg, n) if prefill else count_decode_launches(cfg, n)
         total = sum(c.values())
-        out[npl] = dict(c)
-        print(f"decode step at npl {npl}: {total} launches ({sum(v for k, v in c.items() if k.startswith('triton:'))} "
+        out[n] = dict(c)
+        what = f"prefill forward of {n} tokens" if prefill else f"decode step at npl {n}"
+        print(f"{what}: {total} launches ({sum(v for k, v in c.items() if k.startswith('triton:'))} "
               f"Triton, {sum(v for k, v in c.items() if k.startswith('torch:'))} torch ops)")
         print("| source | launches/step |\n|---|---:|")
         for name, n in c.most_common(args.top):

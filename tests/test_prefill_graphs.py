@@ -276,3 +276,18 @@ def test_gpu_a3b_padded_prefill_matches_unpadded(a3b_dir):  # noqa: F811
         assert not torch.isnan(got).any()
         assert rel(got, ref) <= max(4 * noise, 2e-2), (L, rel(got, ref), noise)
     g.check_integrity()
+
+
+@pytest.mark.skipif(CUDA, reason="counts on meta / CPU tensors; the GPU profile counts there")
+def test_launch_counter_35b_prefill():
+    """`bench launches --prefill-tokens`: one 128-token prefill forward of the 35B-A3B NVFP4 preset, counted on
+    meta tensors (the ~1600 launches a prefill graph replays at once): every GDN layer's three chunk kernels and
+    conv, every attention layer's varlen kernel, one lm_head row."""
+    from linrnn_bench.launch_count import count_prefill_launches
+    from linrnn_serve.presets import resolve_model
+
+    c = count_prefill_launches(resolve_model("qwen35moe-nvfp4", "dummy").cfg, 128)
+    for k in ("_chunk_wy_kernel", "_chunk_state_kernel", "_chunk_output_kernel", "_conv1d_varlen_kernel"):
+        assert c[f"triton:{k}"] == 30, k
+    assert c["triton:_prefill_kernel"] == 10 and "torch:item" not in c
+    assert 1000 < sum(c.values()) < 2500
