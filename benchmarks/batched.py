@@ -6,7 +6,8 @@ greedy, ignore_eos.
   T_PP  prefill of all prompts: from adding the requests until every sequence has its first token
         (engine steps with chunked prefill; sequences already done may decode meanwhile)
   T_TG  ntg engine steps, each decoding one token of all npl sequences: wall clock around the step
-        loop with torch.cuda.synchronize, host overhead included
+        loop with torch.cuda.synchronize, host overhead included (a step is LLMEngine.step_requests(), what
+        the engine core runs; with overlapped steps, step N+1 is launched before step N is postprocessed)
   PP = npp, TG = ntg, B = npl, N_KV = npl * (npp + ntg)
   S_PP = npl * npp / T_PP,  S_TG = npl * ntg / T_TG,  S = N_KV / (T_PP + T_TG),  ms/step = T_TG / ntg
   floor ms/step and % of floor: linrnn_bench.floor (BENCH.md "The floor") from the model's stored
@@ -68,7 +69,7 @@ VLLM_H200_S_TG = {
 }
 VLLM_PP, VLLM_TG = 128, 128
 CONFIG_KEYS = ("model", "load-format", "dtype", "ssm-bf16-tau", "enforce-eager", "label", "peer-row", "tp", "ep",
-               "prefill-graphs")
+               "prefill-graphs", "async-scheduling")
 COMM_STEPS = 4  # eager decode steps per row with every collective timed (tensor / expert parallel only)
 _T0 = time.perf_counter()
 
@@ -91,6 +92,7 @@ class BenchConfig:
     tp: int = 1  # tensor-parallel ranks
     ep: bool = False  # expert-parallel MoE over the tp ranks
     prefill_graphs: bool = True  # False: LINRNN_PREFILL_GRAPHS=0 (short prefills eager and unpadded)
+    async_scheduling: bool | None = None  # overlapped steps (None: the --[no-]async-scheduling flag / engine default)
 
     def __post_init__(self):
         self.tp, self.ep, self.prefill_graphs = int(self.tp), bool(self.ep), bool(self.prefill_graphs)
@@ -101,6 +103,8 @@ class BenchConfig:
                 self.label += f" {'EP' if self.ep else 'TP'}{self.tp}"
             if not self.prefill_graphs:
                 self.label += " eager prefill"
+            if self.async_scheduling is not None:
+                self.label += " overlapped" if self.async_scheduling else " sync"
         if self.peer_row not in ("auto", "nvfp4", "bf16"):
             raise ValueError(f"peer-row must be auto, nvfp4 or bf16, got {self.peer_row!r}")
 
@@ -128,12 +132,12 @@ def parse_config(spec: str, defaults: BenchConfig) -> BenchConfig:
         key = key.strip().replace("_", "-")
         if key not in CONFIG_KEYS:
             raise ValueError(f"--config {spec!r}: unknown key {key!r} (keys: {', '.join(CONFIG_KEYS)})")
-        if not eq and key not in ("enforce-eager", "ep", "prefill-graphs"):
+        if not eq and key not in ("enforce-eager", "ep", "prefill-graphs", "async-scheduling"):
             raise ValueError(f"--config {spec!r}: {key!r} needs a value ({key}=...)")
         value = value.strip()
         if key == "ssm-bf16-tau":
             kw["ssm_bf16_tau"] = float(value)
-        elif key in ("enforce-eager", "ep", "prefill-graphs"):
+        elif key in ("enforce-eager", "ep", "prefill-graphs", "async-scheduling"):
             kw[key.replace("-", "_")] = parse_bool(value)
         elif key == "tp":
             kw["tp"] = int(value)
@@ -246,7 +250,7 @@ def prefill_all(eng, max_steps: int) -> int:
     """Step until no sequence waits and every running one is decode-ready; returns the steps taken."""
     sch, steps = eng.scheduler, 0
     while sch.waiting or any(not s.decode_ready for s in sch.running):
-        eng.step()
+        eng.step_requests()
         steps += 1
         if steps > max_steps:
             raise RuntimeError(f"prefill did not finish in {max_steps} steps ({len(sch.waiting)} waiting)")
@@ -274,7 +278,7 @@ def measure(eng, npp: int, ntg: int, npl: int, seed: int, tag: str, structured: 
     _sync(eng)
     t0 = time.perf_counter()
     for _ in range(ntg):
-        eng.step()
+        eng.step_requests()
     _sync(eng)
     t_tg = time.perf_counter() - t0
     decoded = sch.stats.generation_tokens - gen0
@@ -304,7 +308,7 @@ def measure_comm(eng, npl: int) -> dict:
         _sync(eng)
         t0 = time.perf_counter()
         for _ in range(COMM_STEPS):
-            eng.step()
+            eng.step_requests()
         _sync(eng)
         wall = time.perf_counter() - t0
         st = copy.deepcopy(ex.comm_stats())
@@ -346,7 +350,7 @@ def profile_decode(eng, npl: int, npp: int, steps: int, top: int, seed: int) -> 
     ids = add_batch(eng, "profile", npp, npl, seed)
     prefill_all(eng, 10 * prefill_steps_bound(npp, npl, eng.config.max_num_batched_tokens) + 100)
     for _ in range(2):
-        eng.step()
+        eng.step_requests()
 
     def trace():
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -354,7 +358,7 @@ def profile_decode(eng, npl: int, npp: int, steps: int, top: int, seed: int) -> 
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
-                eng.step()
+                eng.step_requests()
             _sync(eng)
             wall = time.perf_counter() - t0
         return prof, wall
@@ -429,6 +433,7 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
         max_num_seqs=shape["max_num_seqs"], max_num_batched_tokens=shape["max_num_batched_tokens"],
         max_model_len=shape["max_model_len"], enforce_eager=c.enforce_eager, ssm_bf16_tau=c.ssm_bf16_tau,
         tensor_parallel_size=c.tp, enable_expert_parallel=c.ep,
+        **({} if c.async_scheduling is None else {"async_scheduling": c.async_scheduling}),
         # the context is sized to the rows (timing, not quality): a small model's limit may be short
         allow_long_max_model_len=True,
     ).create_engine_config()
@@ -488,10 +493,11 @@ def run_config(c: BenchConfig, args, shape: dict, bw: float, cached_model, profi
     return res, model
 
 
-def add_host_gap(res: dict) -> None:
+def add_host_gap(res: dict, profile: list[dict] | None = None) -> None:
     """Host gap = timed wall ms/step - profiled kernel (device) ms/step at the same B: the time per step
-    the GPU waits for the host. Rows whose B was not profiled get none."""
-    busy = {p["B"]: p["busy_ms_per_step"] for p in res.get("profile") or [] if p["what"] == "kernel"}
+    the GPU waits for the host. Rows whose B was not profiled get none. `profile`: another configuration's
+    (the same weights and kernels, e.g. overlapped vs synchronous steps: only the last one is profiled)."""
+    busy = {p["B"]: p["busy_ms_per_step"] for p in (profile or res.get("profile") or []) if p["what"] == "kernel"}
     for r in res["rows"]:
         if r["B"] in busy:
             r["kernel_ms"] = busy[r["B"]]
@@ -714,7 +720,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("bench configurations")
     e.add_argument("--config", action="append", default=None, metavar="SPEC",
                    help="a configuration 'model=...,ssm-bf16-tau=...,load-format=...,dtype=...,enforce-eager=..."
-                        ",label=...,peer-row=...,tp=N,ep=true,prefill-graphs=false' (repeat for several; replaces the --model x --ssm-bf16-tau product, "
+                        ",label=...,peer-row=...,tp=N,ep=true,prefill-graphs=false,async-scheduling=false' (repeat for several; replaces the --model x --ssm-bf16-tau product, "
                         "unset keys default to the flags)")
     e.add_argument("--graph-sizes", default="npl",
                    help="CUDA-graph batch sizes: 'npl' (only the timed batch sizes: faster start), 'all' "
@@ -804,6 +810,11 @@ def run(args) -> int:
                    "expert_format": None, "peer_row": None}
             model, ok = None, False
         report["configs"].append(res)
+        if res.get("profile"):  # earlier configurations of the same weights: the same kernels per step
+            for j, prev in enumerate(report["configs"][:-1]):
+                if prev.get("rows") and configs[j].weights_key == c.weights_key and \
+                        configs[j].enforce_eager == c.enforce_eager and configs[j].ssm_bf16_tau == c.ssm_bf16_tau:
+                    add_host_gap(prev, res["profile"])
         keep = model is not None and i + 1 < len(configs) and configs[i + 1].weights_key == c.weights_key
         if not keep:
             model = None  # other weights next: free these before loading them

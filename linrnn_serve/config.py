@@ -326,3 +326,6 @@ class EngineConfig:
     # how the core drives its workers (engine/executor.py): "uniproc" (one in-process worker), a
     # registered kind, or "package.module:Class" (e.g. the host-overhead benchmark's stubbed forward)
     executor: str = "uniproc"
+    # overlapped steps (vLLM's async scheduling): step N+1 is scheduled and launched before step N's sampled ids
+    # reach the host. None: on for CUDA, off on the CPU (where the forward runs on the host and nothing overlaps)
+    async_scheduling: bool | None = None

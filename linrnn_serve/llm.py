@@ -103,9 +103,9 @@ class LLM:
                 rid = f"llm-{next(self._ids)}"
                 order.append(rid)
                 eng.add_request(rid, prompt, p)
-            for out in eng.step():
-                if out.finished:
-                    final[out.request_id] = out
+            for req in eng.step_requests():  # cumulative outputs of the finished requests only
+                if req.finished:
+                    final[req.request_id] = eng.output(req)
                     if bar is not None:
                         bar.update(1)
         if bar is not None:

@@ -48,7 +48,7 @@ from typing import Callable, Protocol
 from linrnn_serve.cache.allocator import BlockAllocator, SlotAllocator
 from linrnn_serve.cache.prefix_cache import PrefixCache, PrefixMatch
 from linrnn_serve.runner.plan import (
-    CachedSampleRow, DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult, sample_seed, uniform_for,
+    CachedSampleRow, DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult, sample_seed,
 )
 from linrnn_serve.sampling_params import SamplingParams
 
@@ -82,7 +82,9 @@ class Sequence:
         self.seq_id, self.group, self.index, self.seed = seq_id, group, index, seed
         self.token_ids: list[int] = list(group.prompt_token_ids)
         self.prompt_len = len(self.token_ids)
-        self.num_computed = 0  # tokens whose state / KV are in the caches
+        self.num_computed = 0  # tokens whose state / KV are in the caches (or queued for them: counted when scheduled)
+        # tokens sampled by scheduled steps whose ids have not reached the host yet (overlapped steps: 0-2)
+        self.num_inflight = 0
         self.slot: int | None = None
         self.blocks: list[int] = []
         self.status = SeqStatus.WAITING
@@ -113,8 +115,8 @@ class Sequence:
 
     @property
     def decode_ready(self) -> bool:
-        """Exactly one token to feed (the last sampled) and nothing to fork."""
-        return len(self.token_ids) - self.num_computed == 1 and not self.pending_children
+        """Exactly one token to feed (the last sampled, maybe still on the device) and nothing to fork."""
+        return len(self.token_ids) + self.num_inflight - self.num_computed == 1 and not self.pending_children
 
     @property
     def finished(self) -> bool:
@@ -282,12 +284,17 @@ class Scheduler:
         for seq in list(self.running):  # 1. decodes
             if seq.status is not SeqStatus.RUNNING or not seq.decode_ready:
                 continue
+            if len(seq.token_ids) + seq.num_inflight >= seq.max_len:
+                continue  # its last token is in flight: it finishes ("length") when that token arrives
             if budget < 1:
                 break
             if not self._reserve(seq, 1, plan, scheduled):
                 continue
             scheduled.add(seq.seq_id)
-            plan.decode.append(DecodeRow(seq.token_ids[-1], seq.num_computed, seq.slot, self._sampling_row(seq)))
+            # the token to feed: on the host, or (overlapped steps) sampled by the step in flight
+            tok = seq.token_ids[-1] if not seq.num_inflight else -1
+            plan.decode.append(DecodeRow(tok, seq.num_computed, seq.slot, self._sampling_row(seq)))
+            seq.num_computed += 1
             budget -= 1
 
         for seq in list(self.running):  # 2. chunked prefills in flight
@@ -307,8 +314,8 @@ class Scheduler:
         bs = self.cfg.block_size
         while self.waiting and budget > 0:  # 3. admission
             seq = self.waiting[0]
-            if self.slots.num_free < 1 + len(seq.pending_children):
-                break
+            if seq.num_inflight or self.slots.num_free < 1 + len(seq.pending_children):
+                break  # (preempted while a step sampling its next token is in flight: re-prefill once it arrives)
             m = self._lookup(seq)
             q = seq.num_computed = m.cached
             seq.divergence_at = m.matched if m.matched > q else None
@@ -466,6 +473,7 @@ class Scheduler:
     def _prefill_row(self, seq: Sequence, n: int, plan: StepPlan) -> PrefillRow:
         start = seq.num_computed
         row = PrefillRow(seq.seq_id, seq.token_ids[start:start + n], start, seq.slot, list(seq.blocks))
+        seq.num_computed = start + n
         req = seq.group
         req.num_prefill_tokens += n
         self.stats.prefill_tokens += n
@@ -502,16 +510,17 @@ class Scheduler:
         return rows
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        """The row of one token `seq` samples in this step (counted in flight until postprocess)."""
         p = seq.group.params
-        num_output = len(seq.token_ids) - seq.prompt_len
+        num_output = len(seq.token_ids) + seq.num_inflight - seq.prompt_len
+        seq.num_inflight += 1
         row = seq.sampling_row
-        if row is not None:  # no penalties, no bans: only the seeded uniform changes from step to step
-            if p.temperature >= 1e-5:
-                row.u = uniform_for(seq.seed, num_output)
+        if row is not None:  # no penalties, no bans: only the output index (and after preemption the slot) change
+            row.out_index, row.slot = num_output, seq.slot
             return row
-        u = 0.5 if p.temperature < 1e-5 else uniform_for(seq.seed, num_output)  # greedy: unused
         row = SamplingRow(seq.seq_id, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                          u=u, presence_penalty=p.presence_penalty,
+                          seed=seq.seed, out_index=num_output, prompt_len=seq.prompt_len, slot=seq.slot,
+                          presence_penalty=p.presence_penalty,
                           frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
                           logprobs=p.logprobs, logit_bias=p.logit_bias or None)
         if row.presence_penalty or row.frequency_penalty or row.repetition_penalty != 1.0:
@@ -542,20 +551,20 @@ class Scheduler:
         sampled: list[Sequence] = []
         for seq_id, depth, snap in plan.snapshot_inserts:  # the forward has written these snapshots
             seq = self.seqs.get(seq_id)
-            ok = seq is not None and not seq.finished and len(seq.blocks) * self.cfg.block_size >= depth
+            # (overlapped steps: preempted since this step was scheduled -> its blocks no longer hold depth tokens)
+            ok = seq is not None and not seq.finished and seq.num_computed >= depth and \
+                len(seq.blocks) * self.cfg.block_size >= depth
             if not (ok and self.prefix.insert(seq.token_ids[:depth], seq.blocks, snap, logits=True)):
                 self.prefix.snapshots.free(snap)
         for row in plan.decode:
             seq = self.seqs.get(row.sampling.seq_id)
-            if seq is None or seq.finished:
+            if seq is None or seq.finished:  # finished (a stop found a step late, an abort): its token is dropped
                 continue
-            seq.num_computed += 1
             sampled.append(seq)
         for row in plan.prefill:
             seq = self.seqs.get(row.seq_id)
             if seq is None or seq.finished:
                 continue
-            seq.num_computed += len(row.token_ids)
             plp = result.prompt_logprobs.get(row.seq_id)
             if plp and seq.group.prompt_logprobs is not None:
                 seq.group.prompt_logprobs.extend(plp)
@@ -580,6 +589,7 @@ class Scheduler:
     def _append(self, seq: Sequence, tok: SampledToken, now: float) -> None:
         req, p = seq.group, seq.group.params
         seq.token_ids.append(tok.token_id)
+        seq.num_inflight -= 1
         self.stats.generation_tokens += 1
         if seq.logprobs is not None:
             seq.logprobs.append(tok.logprobs or {})

@@ -11,14 +11,18 @@ from linrnn_serve.runner.plan import SamplingRow, uniform_for
 V = 64
 
 
-def tensors(rows, device="cpu"):
-    return S.SamplingTensors.from_rows(rows, device)
+def tensors(rows, device="cpu", u=None):
+    t = S.SamplingTensors.from_rows(rows, device)
+    if u is not None:  # explicit uniforms instead of the rows' seeded ones
+        t.u = torch.tensor(u, dtype=torch.float64)
+    return t
 
 
 def grid_freqs(logits_row: torch.Tensor, N: int = 4000, **kw) -> torch.Tensor:
     """Empirical token frequencies of one row over u = (i + 0.5) / N."""
-    rows = [SamplingRow(0, u=(i + 0.5) / N, **kw) for i in range(N)]
-    ids = S.sample(logits_row.expand(N, -1), tensors(rows), use_sort=SamplingRow(0, **kw).needs_sort)
+    rows = [SamplingRow(0, **kw)] * N
+    ids = S.sample(logits_row.expand(N, -1), tensors(rows, u=[(i + 0.5) / N for i in range(N)]),
+                   use_sort=SamplingRow(0, **kw).needs_sort)
     return torch.bincount(ids, minlength=logits_row.numel()).double() / N
 
 
@@ -87,7 +91,7 @@ def test_rows_are_independent_of_the_batch():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(9, V, generator=g)
     rows = [SamplingRow(i, temperature=[0.0, 0.7, 1.0][i % 3], top_k=[0, 7][i % 2], top_p=[1.0, 0.9][i % 2],
-                        min_p=0.02 * (i % 2), u=uniform_for(i, 3)) for i in range(9)]
+                        min_p=0.02 * (i % 2), seed=i, out_index=3) for i in range(9)]
     batch = S.sample(x, tensors(rows), True)
     for i in range(9):
         perm = torch.tensor([i] + [j for j in range(9) if j != i])
@@ -95,8 +99,26 @@ def test_rows_are_independent_of_the_batch():
         shuffled = S.sample(x[perm], tensors([rows[j] for j in perm.tolist()]), True)
         assert alone.item() == batch[i].item() == shuffled[0].item()
     # the sort variant draws the same tokens as the plain one for rows that need no sort
-    plain = [SamplingRow(i, temperature=1.0, u=uniform_for(i, 0)) for i in range(9)]
+    plain = [SamplingRow(i, temperature=1.0, seed=i, out_index=0) for i in range(9)]
     assert torch.equal(S.sample(x, tensors(plain), False), S.sample(x, tensors(plain), True))
+
+
+def test_device_uniform_matches_the_python_reference():
+    """sampler.uniform (int64 tensors, in the decode graph) == plan.uniform_for bit for bit, for 64-bit
+    seeds (the high bit set too) and output positions up to 2**31."""
+    import random
+
+    from linrnn_serve.runner.plan import sample_seed
+
+    rng = random.Random(7)
+    seeds = [sample_seed(rng.getrandbits(63), i % 4) for i in range(500)] + [0, 1, (1 << 64) - 1, 1 << 63]
+    idx = [rng.randrange(0, 1 << 31) for _ in range(500)] + [0, 1, 2, 3]
+    got = S.uniform(torch.tensor([S._i64(s) for s in seeds]), torch.tensor(idx)).tolist()
+    assert got == [uniform_for(s, i) for s, i in zip(seeds, idx)]
+    assert len({round(u, 9) for u in got}) == len(got) and all(0 < u < 1 for u in got)
+    # from_rows draws the same
+    rows = [SamplingRow(0, temperature=1.0, seed=s, out_index=i) for s, i in zip(seeds[:20], idx[:20])]
+    assert tensors(rows).u.tolist() == got[:20]
 
 
 def test_penalties_match_formula():

@@ -37,7 +37,7 @@ class FakeRunner:
 
     @staticmethod
     def next_token(history, row) -> int:
-        h = hash((tuple(history), None if row.is_greedy else round(row.u, 12))) % VOCAB
+        h = hash((tuple(history), None if row.is_greedy else round(uniform_for(row.seed, row.out_index), 12))) % VOCAB
         if h in row.banned_token_ids:
             h = (h + 1) % VOCAB
         return h

@@ -6,6 +6,7 @@ its workers (runner/worker.py, one per device) run it. The core only ever calls:
     ex = Executor.create(config, model_config, model_dir, device, dtype, max_model_len, ...)
     ex.budget                   # CacheBudget every worker holds (sizes the scheduler's allocators)
     ex.execute(plan)            # StepPlan -> StepResult (sampled ids of rank 0 / the driver worker)
+    ex.execute_async(plan)      # launch; .result() -> StepResult later (ex.supports_async: overlapped steps)
     ex.describe()               # plain dict for logs and `LLMEngine.describe()`
     ex.check_health()           # raises if a worker is gone
     ex.shutdown()
@@ -71,8 +72,16 @@ class Executor(abc.ABC):
                              f"'package.module:Class')")
         return cls(config, model_config, model_dir, device, dtype, max_model_len, calibration_tokens, progress)
 
+    # execute_async may return before the step's sampled ids reach the host, and the workers feed a decode
+    # row whose DecodeRow.token_id is -1 from the device (overlapped steps, LLMEngine.async_scheduling)
+    supports_async = False
+
     @abc.abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def execute_async(self, plan: StepPlan):
+        """Launch a step; returns an object whose result() is its StepResult (here: run it now)."""
+        return _Done(self.execute(plan))
 
     @abc.abstractmethod
     def describe(self) -> dict: ...
@@ -88,6 +97,7 @@ class UniProcExecutor(Executor):
     """One Worker in this process."""
 
     worker_cls = Worker
+    supports_async = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -101,8 +111,21 @@ class UniProcExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         return self.worker.execute(plan)
 
+    def execute_async(self, plan: StepPlan):
+        return self.worker.execute_async(plan)
+
     def describe(self) -> dict:
         return self.worker.describe()
+
+
+class _Done:
+    """An executed step's result (the PendingStep interface of an executor that runs steps synchronously)."""
+
+    def __init__(self, result: StepResult):
+        self._r = result
+
+    def result(self) -> StepResult:
+        return self._r
 
 
 _EXECUTORS: dict[str, Callable[..., Executor]] = {"uniproc": UniProcExecutor}

@@ -1,7 +1,17 @@
-"""LLMEngine: the synchronous engine. `add_request`, `step`, `abort`, `has_unfinished_requests`.
+"""LLMEngine: the engine's step loop. `add_request`, `step`, `abort`, `has_unfinished_requests`.
 
-    step():  scheduler.schedule() -> executor.execute(plan) -> scheduler.postprocess(plan, result)
+    step():  scheduler.schedule() -> executor.execute_async(plan) -> scheduler.postprocess(plan, result)
              -> one cumulative RequestOutput per request with new tokens (finished ones included)
+
+Overlapped steps (`async_scheduling`, vLLM's async scheduling; on for CUDA by default): step() schedules
+and launches step N+1, then waits for step N's sampled ids (a CUDA event on their pinned copy) and
+postprocesses them, so the host's work of one step runs while the GPU computes the next. The scheduler
+counts each sequence's sampled-but-unseen token (Sequence.num_inflight); a decode row whose last token
+is still on the device is fed from it there (ModelRunner.slot_ids). A stop (EOS, stop string) found in
+step N's tokens finishes the sequence one step late: the token step N+1 sampled for it is dropped and
+its slot and blocks are reused only by work queued after step N+1 on the same stream. Steps whose
+sampling needs the previous token on the host (penalties, multi-token bad words, grammars) and
+`capture_logits` run synchronously. Greedy and seeded outputs are the same either way.
 
 Construction: resolve the model (presets or a checkpoint directory) -> tokenizer -> the Executor
 (engine/executor.py) builds its workers (runner/worker.py: load weights, pick the f32/bf16 state
@@ -112,6 +122,11 @@ class LLMEngine:
         self.executor = Executor.create(config, cfg, resolved.model_dir, self.device, self.dtype, self.max_model_len,
                                         calibration_tokens=calib, progress=progress)
         self.budget: CacheBudget = self.executor.budget
+        a = config.async_scheduling
+        self.async_scheduling = (self.device.type == "cuda" if a is None else bool(a)) and \
+            self.executor.supports_async
+        self._inflight = None  # (plan, pending step) launched and not yet postprocessed
+        self._host_token_reqs: set[str] = set()  # requests whose sampling reads their previous tokens on the host
 
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in cfg.eos_token_id if e not in eos]
@@ -148,8 +163,9 @@ class LLMEngine:
         log.info("recurrent state: %s; f32 heads %.1f%% / bf16 %.1f%%; %.2f MiB per sequence",
                  d["head_map"], 100 * f32, 100 * (1 - f32), d["state_bytes_per_seq"] / 2**20)
         log.info("caches: %s", self.budget.describe())
-        log.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, CUDA graphs %s; engine ready in "
-                 "%.1f s", self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+        log.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, overlapped steps %s, CUDA graphs %s; "
+                 "engine ready in %.1f s", self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
+                 "on" if self.async_scheduling else "off",
                  f"on ({d['num_graphs']} captured in {d['graph_capture_seconds']:.1f} s, "
                  f"{d['graph_capture_bytes'] / 2**30:.2f} GiB)" if d["cuda_graphs"] else "off",
                  time.perf_counter() - t_start)
@@ -249,17 +265,25 @@ class LLMEngine:
         self.scheduler.add_request(req)
         if self.structured.needs(params):
             self.structured.add([s.seq_id for s in req.seqs], params)
+        if self._needs_host_tokens(params):
+            self._host_token_reqs.add(request_id)
         return req
+
+    def _needs_host_tokens(self, p: SamplingParams) -> bool:
+        """Sampling that reads the sequence's previous tokens on the host: such steps are not overlapped."""
+        return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                    or any(len(w) > 1 for w in p.bad_words_token_ids or ()) or self.structured.needs(p))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request; returns its final output (finish_reason 'abort'), None if unknown/finished."""
         req = self.abort_request(request_id)
-        return None if req is None else self._output(req)
+        return None if req is None else self.output(req)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort a request; returns it (finished, finish_reason 'abort'), None if unknown/finished."""
         req = self.scheduler.abort_request(request_id)
         if req is not None:
+            self._host_token_reqs.discard(request_id)
             for s in req.seqs:
                 self.structured.remove(s.seq_id)
             self._observe_finish(req, time.monotonic())
@@ -274,28 +298,49 @@ class LLMEngine:
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step; a cumulative RequestOutput per request with new output."""
-        return [self._output(req) for req in self.step_requests()]
+        return [self.output(req) for req in self.step_requests()]
 
     def step_requests(self) -> list[Request]:
-        """One engine step; the requests with new output (finished ones included)."""
+        """One engine step; the requests with new output (finished ones included). Overlapped: launch the
+        next step, then postprocess the one in flight."""
+        sync = not self.async_scheduling or self.capture_logits or bool(self._host_token_reqs)
+        if sync and self._inflight is not None:  # the next schedule needs the in-flight tokens on the host
+            return self._complete(self._take_inflight())
         plan = self.last_plan = self.scheduler.schedule()
-        if plan.empty:
-            if plan.snapshot_saves_before:  # finished sequences' prefix-cache snapshots: taken before the slots are reused
-                self.executor.execute(plan)
-            return []
-        constrained = self.structured.constraints
-        if constrained and (any(r.sampling.seq_id in constrained for r in plan.decode) or any(
-                s.seq_id in constrained for r in plan.prefill for s in r.samples)):
-            plan.fill_bitmask = self.structured.fill
-        result = self.executor.execute(plan)
+        done = self._take_inflight()
+        if plan.empty and plan.snapshot_saves_before:  # finished sequences' prefix-cache snapshots: taken
+            self.executor.execute_async(plan)          # before the slots are reused (stream-ordered)
+        if not plan.empty:
+            constrained = self.structured.constraints
+            if constrained and (any(r.sampling.seq_id in constrained for r in plan.decode) or any(
+                    s.seq_id in constrained for r in plan.prefill for s in r.samples)):
+                plan.fill_bitmask = self.structured.fill
+            self._inflight = (plan, self.executor.execute_async(plan))
+            if sync:
+                return self._complete(self._take_inflight())
+        return self._complete(done) if done is not None else []
+
+    def _take_inflight(self):
+        x, self._inflight = self._inflight, None
+        return x
+
+    def drain(self) -> list[Request]:
+        """Postprocess the step in flight, if any (overlapped steps); the requests with new output."""
+        x = self._take_inflight()
+        return self._complete(x) if x is not None else []
+
+    def _complete(self, launched) -> list[Request]:
+        plan, pending = launched
+        result = pending.result()
         if self.capture_logits:
             self._log_logits()
         now = time.monotonic()
+        constrained = self.structured.constraints
         if constrained:
             for sid, tok in result.sampled.items():
                 self.structured.accept(sid, tok.token_id)
@@ -304,6 +349,7 @@ class LLMEngine:
         for req in reqs:
             if req.finished:
                 self._observe_finish(req, now)
+                self._host_token_reqs.discard(req.request_id)
                 if constrained:
                     for s in req.seqs:
                         self.structured.remove(s.seq_id)
@@ -327,7 +373,8 @@ class LLMEngine:
             if seq is not None:
                 self.logits_log[(seq.group.request_id, seq.index, seq.num_output)] = row.detach().cpu().clone()
 
-    def _output(self, req: Request) -> RequestOutput:
+    def output(self, req: Request) -> RequestOutput:
+        """The request's cumulative output (all tokens so far: O(its length), build it only when needed)."""
         outs = [CompletionOutput(
             index=s.index, text=s.visible_text(), token_ids=s.output_token_ids,
             logprobs=list(s.logprobs) if s.logprobs is not None else None,
@@ -356,6 +403,7 @@ class LLMEngine:
         """Idle-time check: with no request in flight, every state slot and KV block is free."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("check_integrity() needs an idle engine")
+        self.drain()  # a step in flight may still hold (finished) sequences' rows
         self.scheduler.check_idle_integrity()
 
     def stats(self) -> dict:
@@ -394,4 +442,5 @@ class LLMEngine:
         d = self.executor.describe()
         return {"model": self.model_name, "dtype": str(self.dtype), "device": str(self.device),
                 "max_model_len": self.max_model_len, "budget": asdict(self.budget),
-                "state_f32_fraction": d["state_f32_fraction"], "cuda_graphs": d["cuda_graphs"]}
+                "state_f32_fraction": d["state_f32_fraction"], "cuda_graphs": d["cuda_graphs"],
+                "async_scheduling": self.async_scheduling}

@@ -4,9 +4,7 @@ Per step (runner/plan.py):
   1. block-table edits, prefix-cache snapshot saves of finished sequences, fresh-slot resets or
      snapshot restores, and copy-on-write KV block copies;
   2. decode: every one-token sequence in one forward at the bucket size (cuda_graphs.py), with its
-     inputs written into static buffers; the block table of each row is gathered on the device from
-     a per-slot table (`slot_tables`), so per step only token ids, positions, slots and sampling
-     parameters cross the bus;
+     inputs written into static buffers;
   3. prefill: the chunks in one varlen forward; logits only for the rows that sample and for
      prompt-logprob positions (batch.logits_indices). Up to prefill_graphs.PREFILL_GRAPH_MAX_TOKENS
      tokens it runs padded to a token bucket, replayed from a CUDA graph (prefill_graphs.py); longer
@@ -14,13 +12,27 @@ Per step (runner/plan.py):
   4. prefix-cache snapshots of states this forward produced (prompt ends, divergence points) are
      saved with their last token's logits; sequences whose whole prompt was such a snapshot sample
      from the stored logits; n > 1 forks copy the prompt's recurrent state to the samples' slots;
-  5. one host transfer of the sampled ids (the only sync of a step).
+  5. the step's sampled ids go to pinned host memory with a non-blocking copy and a CUDA event:
+     `execute_async` returns a PendingStep at once, `PendingStep.result()` waits for the event.
+
+The persistent device batch (what lives on the device from step to step, indexed by state slot):
+  * `slot_tables`  each slot's KV block table (a decode row's table is gathered in the graph);
+  * `slot_f`, `slot_i`  each slot's sampling parameters (temperature, top_p, min_p / top_k, seed,
+     prompt length), uploaded when a sequence first decodes in a slot: the seeded uniform of a row is
+     computed in the graph from its seed and position (sampler.uniform);
+  * `slot_ids`  the id each slot sampled last: a decode row whose token the host has not seen yet
+     (DecodeRow.token_id == -1, overlapped steps) is fed from it, so step N+1 can be launched before
+     step N's ids reach the host.
+Per decode step only the ids the host knows, positions and slots cross the bus (one pinned copy), plus
+the block-table rows and slot parameters that changed. Host staging buffers are double-buffered (two
+steps may be in flight); a buffer is rewritten only after the event of the step that used it.
 """
 from __future__ import annotations
 
 import logging
 import os
 
+import numpy as np
 import torch
 
 from linrnn_serve.batch import ForwardBatch
@@ -38,6 +50,34 @@ log = logging.getLogger(__name__)
 PROMPT_LOGPROB_SLICE = 256  # rows of f32 log-softmax computed at once for prompt logprobs
 
 
+class PendingStep:
+    """A launched step whose sampled ids (and logprobs) are on their way to pinned host memory."""
+
+    def __init__(self, event, prompt_logprobs: dict):
+        self.event = event  # recorded after the device -> host copies (None on the CPU: already done)
+        self.seq_ids: list[int] = []  # row order of `host_ids`
+        self.host_ids: torch.Tensor | None = None
+        self.logprobs: list[tuple[list[int], list[int], list[torch.Tensor]]] = []  # (rows, top_n, host parts)
+        self.prompt_logprobs = prompt_logprobs
+        self._result: StepResult | None = None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            if self.event is not None:
+                self.event.synchronize()
+            ids = self.host_ids.tolist() if self.host_ids is not None else []
+            lps: dict[int, dict] = {}
+            for rows, top_n, parts in self.logprobs:
+                lps.update(zip(rows, S.logprob_dicts(parts, top_n)))
+            self._result = StepResult(
+                {sid: SampledToken(t, lps.get(i)) for i, (sid, t) in enumerate(zip(self.seq_ids, ids))},
+                self.prompt_logprobs)
+        return self._result
+
+
 class ModelRunner:
     def __init__(self, model, caches: ModelCaches, *, max_num_seqs: int, max_model_len: int, block_size: int,
                  enforce_eager: bool = False, progress: bool = True, max_num_batched_tokens: int = 2048,
@@ -51,29 +91,34 @@ class ModelRunner:
         self.buckets = decode_buckets(max_num_seqs)
         self.max_batch = self.buckets[-1]
         self.max_blocks = -(-max_model_len // block_size)
-        num_slots = caches.state.num_slots
+        num_slots = self.num_slots = caches.state.num_slots
         dev = self.device
-        pin = dev.type == "cuda"
+        self.cuda = dev.type == "cuda"
+        pin = self.cuda
         i32, i64 = torch.int32, torch.int64
-        # per-slot block tables: row 0 (the dummy slot) stays all-zero = dummy block 0
-        self.slot_tables_cpu = torch.zeros(num_slots, self.max_blocks, dtype=i32)
-        self.slot_tables = torch.zeros(num_slots, self.max_blocks, dtype=i32, device=dev)
-        # static decode inputs; host staging in pinned memory, one copy per dtype group
         B = self.max_batch
-        self._ints_host = torch.zeros(4, B, dtype=i64, pin_memory=pin)  # ids, positions, slots, top_k
-        self._floats_host = torch.zeros(3, B, dtype=torch.float32, pin_memory=pin)  # temperature, top_p, min_p
-        self._u_host = torch.full((B,), 0.5, dtype=torch.float64, pin_memory=pin)
-        self._ints = torch.zeros(4, B, dtype=i64, device=dev)
-        self._floats = torch.zeros(3, B, dtype=torch.float32, device=dev)
-        self._u = torch.full((B,), 0.5, dtype=torch.float64, device=dev)
+        # ---- the persistent device batch, per state slot (slot 0 = the dummy: block 0, greedy)
+        self.slot_tables_np = np.zeros((num_slots, self.max_blocks), dtype=np.int32)  # host mirror
+        self.slot_tables = torch.zeros(num_slots, self.max_blocks, dtype=i32, device=dev)
+        self.slot_f = torch.zeros(num_slots, 3, dtype=torch.float32, device=dev)  # temperature, top_p, min_p
+        self.slot_f[:, 1] = 1.0
+        self.slot_i = torch.zeros(num_slots, 3, dtype=i64, device=dev)  # top_k, seed (int64 bits), prompt_len
+        self.slot_ids = torch.zeros(num_slots, dtype=i64, device=dev)  # last sampled id per slot
+        self._slot_owner = np.full(num_slots, -1, dtype=np.int64)  # seq id whose parameters the slot holds
+        # ---- static decode inputs: host ids (-1: from slot_ids), positions, slots
+        self._in = torch.zeros(3, B, dtype=i64, device=dev)
         self._cu = torch.arange(B + 1, dtype=i32, device=dev)
         self.logits_buf = torch.zeros(B, self.vocab_size, dtype=model.dtype, device=dev)
-        self.greedy_buf = torch.zeros(B, dtype=i64, device=dev)
+        # a step's sampled ids, in row order (decode rows, then prefill samples, then cached samples)
+        self.step_ids = torch.zeros(num_slots + B, dtype=i64, device=dev)
         # structured output: token bitmask rows (int32 words, all ones = unconstrained), host -> static device
         words = (self.vocab_size + 31) // 32
         self._mask_host = torch.full((B, words), -1, dtype=torch.int32, pin_memory=pin)
         self._mask = torch.full((B, words), -1, dtype=torch.int32, device=dev)
-        self.sample_buf = torch.zeros(B, dtype=i64, device=dev)
+        # ---- host staging, two of each (a step's copies read them after the call returns)
+        self._stage = [self._new_stage(num_slots, B, pin) for _ in range(2)]
+        self._events: list = [None, None]
+        self._k = 1
         self.graphs = GraphSet()
         self.use_graphs = False
         self.enforce_eager = enforce_eager
@@ -85,18 +130,26 @@ class ModelRunner:
             model, caches, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, block_size=block_size, device=dev) if pad_prefill else None
 
+    def _new_stage(self, num_slots: int, B: int, pin: bool) -> dict:
+        t = {"in": torch.zeros(3, B, dtype=torch.int64, pin_memory=pin),
+             "sp_f": torch.zeros(num_slots, 3, dtype=torch.float32, pin_memory=pin),
+             "sp_i": torch.zeros(num_slots, 3, dtype=torch.int64, pin_memory=pin),
+             "sp_idx": torch.zeros(num_slots, dtype=torch.int64, pin_memory=pin),
+             "bt": torch.zeros(num_slots, self.max_blocks, dtype=torch.int32, pin_memory=pin),
+             "bt_idx": torch.zeros(num_slots, dtype=torch.int64, pin_memory=pin),
+             "ids": torch.zeros(num_slots + B, dtype=torch.int64, pin_memory=pin)}
+        return {"t": t, "np": {k: v.numpy() for k, v in t.items()}}
+
     # ---- CUDA graphs -----------------------------------------------------------------------
     def capture_graphs(self, strict: bool = False, note=None) -> None:
         """Capture the decode step per bucket (no-op on CPU or with enforce_eager). A failed capture
         falls back to eager decode, or raises with `strict` (tensor parallel: every rank must capture
         the same graphs). `note(what)` marks progress per bucket and kind (rank_watch.py)."""
-        if self.enforce_eager or self.device.type != "cuda":
+        if self.enforce_eager or not self.cuda:
             log.info("CUDA graphs off (%s): decode runs eagerly at the same bucket sizes",
                      "enforce_eager" if self.enforce_eager else f"device {self.device.type}")
             return
-        self._reset_static(self.max_batch)
-        self._floats[0].fill_(1.0)
-        self._floats[1].fill_(1.0)
+        self._in.zero_()
         kinds = {"step": self._decode_forward, "mask": self._mask_static,
                  "sample": lambda b: self._sample_static(b, False),
                  "sample_sorted": lambda b: self._sample_static(b, True)}
@@ -111,82 +164,104 @@ class ModelRunner:
             self.graphs = GraphSet()
             self.use_graphs = False
             torch.cuda.synchronize(self.device)
-        self._reset_static(self.max_batch)
+        self._in.zero_()
+        self.slot_ids.zero_()
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture(progress=self.progress)
         torch.cuda.synchronize(self.device)
 
     # ---- the captured region ---------------------------------------------------------------
+    def _decode_input_ids(self, b: int) -> torch.Tensor:
+        """Token ids fed by the b decode rows: the host's, or (-1) the slot's last sampled id on the device."""
+        host, slots = self._in[0, :b], self._in[2, :b]
+        return torch.where(host >= 0, host, self.slot_ids.index_select(0, slots))
+
     def _decode_batch(self, b: int) -> ForwardBatch:
         bs = self.block_size
-        ids, pos, slots = self._ints[0, :b], self._ints[1, :b], self._ints[2, :b]
+        pos, slots = self._in[1, :b], self._in[2, :b]
         state_idx = slots.to(torch.int32)
         tables = self.slot_tables.index_select(0, slots)
         blk = tables.gather(1, torch.div(pos, bs, rounding_mode="floor")[:, None]).squeeze(1).long()
         return ForwardBatch(
-            input_ids=ids, positions=pos, cu_seqlens=self._cu[: b + 1], seq_lens=(pos + 1).to(torch.int32),
-            state_indices=state_idx, block_tables=tables, slot_mapping=blk * bs + pos % bs, is_decode=True,
-            max_query_len=1, max_seq_len=self.max_model_len)
+            input_ids=self._decode_input_ids(b), positions=pos, cu_seqlens=self._cu[: b + 1],
+            seq_lens=(pos + 1).to(torch.int32), state_indices=state_idx, block_tables=tables,
+            slot_mapping=blk * bs + pos % bs, is_decode=True, max_query_len=1, max_seq_len=self.max_model_len)
+
+    def _publish(self, b: int, ids: torch.Tensor) -> None:
+        """The decode rows' sampled ids: into the step's output and each slot's last id (padded rows
+        write the dummy slot 0)."""
+        self.step_ids[:b].copy_(ids)
+        self.slot_ids.index_copy_(0, self._in[2, :b], self.step_ids[:b])
 
     def _decode_forward(self, b: int) -> None:
         logits = self.model(self._decode_batch(b), self.caches)
         self.logits_buf[:b].copy_(logits)
-        self.greedy_buf[:b].copy_(S.greedy(logits))
+        self._publish(b, S.greedy(logits))
 
     def _mask_static(self, b: int) -> None:
         """Apply the step's token bitmask to the logits in place and redo the greedy pick (captured)."""
         S.apply_bitmask(self.logits_buf[:b], self._mask[:b])
-        self.greedy_buf[:b].copy_(S.greedy(self.logits_buf[:b]))
+        self._publish(b, S.greedy(self.logits_buf[:b]))
 
     def _static_sampling(self, b: int) -> S.SamplingTensors:
-        return S.SamplingTensors(self._floats[0, :b], self._ints[3, :b], self._floats[1, :b], self._floats[2, :b],
-                                 self._u[:b])
+        """Each row's parameters gathered from its slot; the seeded uniform of (seed, output position)."""
+        pos, slots = self._in[1, :b], self._in[2, :b]
+        f = self.slot_f.index_select(0, slots)
+        i = self.slot_i.index_select(0, slots)
+        return S.SamplingTensors(f[:, 0], i[:, 0], f[:, 1], f[:, 2], S.uniform(i[:, 1], pos + 1 - i[:, 2]))
 
     def _sample_static(self, b: int, use_sort: bool) -> None:
-        self.sample_buf[:b].copy_(S.sample(self.logits_buf[:b], self._static_sampling(b), use_sort))
-
-    def _reset_static(self, b: int) -> None:
-        """Padding values: token 0 at position 0 in dummy slot 0, greedy."""
-        self._ints_host[:, :b].zero_()
-        self._floats_host[0, :b].zero_()
-        self._floats_host[1, :b].fill_(1.0)
-        self._floats_host[2, :b].zero_()
-        self._u_host[:b].fill_(0.5)
-        self._upload(b)
-
-    def _upload(self, b: int) -> None:
-        """Host staging -> static device inputs: whole buffers (contiguous pinned -> one DMA each; a
-        few KB). Rows past the bucket are never read by its graph."""
-        nb = self.device.type == "cuda"
-        self._ints.copy_(self._ints_host, non_blocking=nb)
-        self._floats.copy_(self._floats_host, non_blocking=nb)
-        self._u.copy_(self._u_host, non_blocking=nb)
+        self._publish(b, S.sample(self.logits_buf[:b], self._static_sampling(b), use_sort))
 
     # ---- one step ----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        self._prepare(plan)
+        return self.execute_async(plan).result()
+
+    @torch.inference_mode()
+    def execute_async(self, plan: StepPlan) -> PendingStep:
+        """Launch the step; its sampled ids come back through the PendingStep (no host sync on the decode
+        path: the host may prepare and launch the next step meanwhile)."""
+        k = self._k = self._k ^ 1
+        if self._events[k] is not None:  # the step that last used this staging buffer has read it
+            self._events[k].synchronize()
+        stage = self._stage[k]
+        self._prepare(plan, stage)
         self._last = []
-        result = StepResult()
-        dec = self._run_decode(plan.decode, plan.fill_bitmask) if plan.decode else None
+        pending = PendingStep(None, {})
+        result = StepResult(prompt_logprobs=pending.prompt_logprobs)
+        dec = self._run_decode(plan.decode, plan.fill_bitmask, stage) if plan.decode else None
         pre = self._run_prefill(plan.prefill, result, plan.fill_bitmask) if plan.prefill else None
         hit = self._run_cached(plan.cached, plan.fill_bitmask) if plan.cached else None
         for src, dst in plan.slot_copies:
             self.caches.state.copy_slot(src, dst)
-        for part in (dec, pre, hit):
+        off = 0
+        for part, published in ((dec, True), (pre, False), (hit, False)):
             if part is not None:
                 rows, ids, logits = part
-                self._collect(rows, ids, logits, result)
-        return result
+                self._collect(rows, ids, logits, off, published, pending, stage)
+                off += len(rows)
+        if off:
+            host = stage["t"]["ids"][:off]
+            host.copy_(self.step_ids[:off], non_blocking=self.cuda)
+            pending.host_ids = host
+        if self.cuda:
+            ev = self._events[k] = torch.cuda.Event()
+            ev.record()
+            pending.event = ev
+        return pending
 
-    def _prepare(self, plan: StepPlan) -> None:
+    def _prepare(self, plan: StepPlan, stage: dict) -> None:
         if plan.block_table_updates:
-            touched = []
+            mirror = self.slot_tables_np
+            touched = set()
             for slot, start, blocks in plan.block_table_updates:
-                self.slot_tables_cpu[slot, start:start + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-                touched.append(slot)
-            idx = torch.tensor(sorted(set(touched)), dtype=torch.long)
-            self.slot_tables.index_copy_(0, idx.to(self.device), self.slot_tables_cpu[idx].to(self.device))
+                mirror[slot, start:start + len(blocks)] = blocks
+                touched.add(slot)
+            idx = sorted(touched)
+            m = len(idx)
+            stage["np"]["bt_idx"][:m] = idx
+            stage["np"]["bt"][:m] = mirror[idx]
+            self.slot_tables.index_copy_(0, self._h2d(stage["t"]["bt_idx"][:m]), self._h2d(stage["t"]["bt"][:m]))
         self._save_snapshots(plan.snapshot_saves_before)
         if plan.reset_slots:
             self.caches.state.reset_slots(plan.reset_slots)
@@ -199,36 +274,52 @@ class ModelRunner:
             kv = self.caches.kv.kv  # [layers, 2, blocks, block_size, heads, dim]
             kv[:, :, dst] = kv[:, :, src]
 
+    def _h2d(self, host: torch.Tensor) -> torch.Tensor:
+        """A pinned staging slice -> the device without a host sync (stream-ordered)."""
+        return host.to(self.device, non_blocking=True) if self.cuda else host
+
+    def _to_device(self, values: list[int], dtype=torch.int64) -> torch.Tensor:
+        """A small host list -> the device without a host sync (pinned; the host allocator keeps the
+        pinned block until the copy has run)."""
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t
+
     def _save_snapshots(self, saves: list[tuple[int, int]]) -> None:
         if saves:
             self.caches.state.copy_to(self.caches.snapshots, [s for s, _ in saves], [d for _, d in saves])
 
-    def _run_decode(self, rows: list[DecodeRow], fill_bitmask=None):
+    def _upload_slot_params(self, samp: list[SamplingRow], slots: np.ndarray, stage: dict) -> None:
+        """Sampling parameters of the rows whose slot holds another sequence's (first decode in a slot)."""
+        owner = self._slot_owner
+        seq_ids = np.fromiter((s.seq_id for s in samp), dtype=np.int64, count=len(samp))
+        new = np.flatnonzero(owner[slots] != seq_ids)
+        if not len(new):
+            return
+        m = len(new)
+        npst = stage["np"]
+        for j, i in enumerate(new.tolist()):
+            r = samp[i]
+            npst["sp_f"][j] = (r.temperature, r.top_p, r.min_p)
+            npst["sp_i"][j] = (r.top_k, S._i64(r.seed), r.prompt_len)
+        npst["sp_idx"][:m] = slots[new]
+        owner[slots[new]] = seq_ids[new]
+        t = stage["t"]
+        idx = self._h2d(t["sp_idx"][:m])
+        self.slot_f.index_copy_(0, idx, self._h2d(t["sp_f"][:m]))
+        self.slot_i.index_copy_(0, idx, self._h2d(t["sp_i"][:m]))
+
+    def _run_decode(self, rows: list[DecodeRow], fill_bitmask, stage: dict):
         n = len(rows)
         b = bucket_for(self.buckets, n)
-        ints, floats, u = self._ints_host, self._floats_host, self._u_host
-        ints[0, :n] = torch.tensor([r.token_id for r in rows], dtype=torch.int64)
-        ints[1, :n] = torch.tensor([r.position for r in rows], dtype=torch.int64)
-        ints[2, :n] = torch.tensor([r.slot for r in rows], dtype=torch.int64)
-        ints[:3, n:b] = 0
         samp = [r.sampling for r in rows]
-        any_random = not all(s.is_greedy for s in samp)
-        if any_random:
-            ints[3, :n] = torch.tensor([s.top_k for s in samp], dtype=torch.int64)
-            floats[0, :n] = torch.tensor([s.temperature for s in samp], dtype=torch.float32)
-            floats[1, :n] = torch.tensor([s.top_p for s in samp], dtype=torch.float32)
-            floats[2, :n] = torch.tensor([s.min_p for s in samp], dtype=torch.float32)
-            u[:n] = torch.tensor([s.u for s in samp], dtype=torch.float64)
-        else:
-            ints[3, :n] = 0
-            floats[0, :n] = 0.0
-            floats[1, :n] = 1.0
-            floats[2, :n] = 0.0
-        ints[3, n:b] = 0
-        floats[0, n:b] = 0.0
-        floats[1, n:b] = 1.0
-        floats[2, n:b] = 0.0
-        self._upload(b)
+        inp = stage["np"]["in"]
+        inp[0, :n] = [r.token_id for r in rows]
+        inp[1, :n] = [r.position for r in rows]
+        slots = inp[2, :n]
+        slots[:] = [r.slot for r in rows]
+        inp[:, n:b] = 0  # padding: token 0 at position 0 in dummy slot 0
+        self._upload_slot_params(samp, slots, stage)
+        self._in.copy_(stage["t"]["in"], non_blocking=self.cuda)
         graphs = self.use_graphs and (b, "step") in self.graphs
         if graphs:
             self.graphs.replay(b, "step")
@@ -240,25 +331,24 @@ class ModelRunner:
             host = self._mask_host[:b]
             host.fill_(-1)
             fill_bitmask(host[:n], [s.seq_id for s in samp])
-            self._mask[:b].copy_(host, non_blocking=self.device.type == "cuda")
+            self._mask[:b].copy_(host, non_blocking=self.cuda)
             if graphs:
                 self.graphs.replay(b, "mask")
             else:
                 self._mask_static(b)
+        any_random = any(s.temperature >= S.GREEDY_EPS for s in samp)
         if S.needs_logit_edits(samp):
             logits = S.apply_logit_edits(self.logits_buf[:b], samp + [None] * (b - n))
             ids = S.sample(logits, self._static_sampling(b), any(s.needs_sort for s in samp)) if any_random \
                 else S.greedy(logits)
+            self._publish(b, ids)
         elif any_random:
             kind = "sample_sorted" if any(s.needs_sort for s in samp) else "sample"
             if graphs:
                 self.graphs.replay(b, kind)
             else:
                 self._sample_static(b, kind == "sample_sorted")
-            ids = self.sample_buf[:b]
-        else:
-            ids = self.greedy_buf[:b]
-        return samp, ids[:n], self.logits_buf[:n]
+        return samp, None, self.logits_buf[:n]
 
     def _run_prefill(self, rows: list[PrefillRow], result: StepResult, fill_bitmask=None):
         """One varlen forward (padded to a token bucket and replayed from a CUDA graph when short, else
@@ -339,17 +429,30 @@ class ModelRunner:
             out += S.logprobs_of(logits[k:k + len(part)], nxt, [row.prompt_logprobs] * len(part))
         return out
 
-    def _collect(self, rows: list[SamplingRow], ids: torch.Tensor, logits: torch.Tensor, result: StepResult) -> None:
-        self._last.append(([r.seq_id for r in rows], logits))
+    def _collect(self, rows: list[SamplingRow], ids: torch.Tensor | None, logits: torch.Tensor, off: int,
+                 published: bool, pending: PendingStep, stage: dict) -> None:
+        """Rows [off, off + len(rows)) of the step's output: their ids into `step_ids` and their slots' last
+        ids (unless the decode graph did), their logprobs started on the way to the host."""
+        n = len(rows)
+        seq_ids = [r.seq_id for r in rows]
+        pending.seq_ids += seq_ids
+        self._last.append((seq_ids, logits))
+        if not published:
+            out = self.step_ids[off:off + n]
+            out.copy_(ids)
+            slots = stage["t"]["ids"][off:off + n]  # staging for the slot indices (overwritten by the D2H later)
+            slots.numpy()[:] = [r.slot for r in rows]
+            self.slot_ids.index_copy_(0, self._h2d(slots), out)
         want = [i for i, r in enumerate(rows) if r.logprobs is not None]
-        lps = {}
         if want:
-            sel = torch.tensor(want, device=self.device)
-            dicts = S.logprobs_of(logits.index_select(0, sel), ids.index_select(0, sel),
-                                  [rows[i].logprobs for i in want])
-            lps = dict(zip(want, dicts))
-        for i, (r, t) in enumerate(zip(rows, ids.tolist())):
-            result.sampled[r.seq_id] = SampledToken(t, lps.get(i))
+            top_n = [rows[i].logprobs for i in want]
+            sel = self._to_device(want)
+            parts = S.logprob_tensors(logits.index_select(0, sel), self.step_ids[off:off + n].index_select(0, sel),
+                                      max(top_n))
+            if self.cuda:
+                parts = [p.to("cpu", non_blocking=True) if p.numel() else torch.empty(p.shape, dtype=p.dtype)
+                         for p in parts]
+            pending.logprobs.append(([off + i for i in want], top_n, parts))
 
     def last_logits(self) -> dict[int, torch.Tensor]:
         """Logits rows of the last step per sampled sequence id (views: copy before the next step)."""

@@ -49,7 +49,12 @@ class SamplingRow:
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     min_p: float = 0.0
-    u: float = 0.5  # uniform_for(seed, output position): inverse-CDF draw
+    # the seeded draw: the device computes uniform_for(seed, out_index) (sampler.uniform); a decode row's
+    # out_index is derived on the device from its position and prompt_len (runner's per-slot parameters)
+    seed: int = 0
+    out_index: int = 0  # output position of the token this row picks
+    prompt_len: int = 0
+    slot: int = 0  # the sequence's state slot (where its sampled id is kept on the device for the next step)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -76,7 +81,8 @@ class SamplingRow:
 
 @dataclass
 class DecodeRow:
-    token_id: int  # the token fed now (the last sampled one)
+    token_id: int  # the token fed now (the last sampled one); -1: still on the device (overlapped steps:
+    #                the runner feeds the id the previous step sampled for this slot)
     position: int  # its position (= tokens already cached)
     slot: int  # recurrent-state slot (its block table lives in the runner's per-slot table)
     sampling: SamplingRow

@@ -6,8 +6,9 @@ Everything on the decode hot path is shape-static and sync-free, so it runs insi
 * sampled rows draw by inverse CDF: probs = softmax(logits / T), tokens outside min-p / top-k /
   top-p get probability 0, then the token is the first index whose cumulative probability (f64,
   in vocabulary order) exceeds u * total. The uniform u is a pure function of (the sample's seed,
-  output position) (runner/plan.py::uniform_for), fed per row like any other input, so a seeded
-  request draws the same token whatever its batch, row or step, and after preemption.
+  output position), computed on the device (`uniform`, bit-identical to runner/plan.py::uniform_for,
+  its pure-Python reference) from per-row seed and position tensors, so a seeded request draws the
+  same token whatever its batch, row or step, and after preemption, with nothing drawn on the host.
 * top-k / top-p need a sort of the vocabulary: a separate variant (`use_sort`) only used when some
   row of the batch asks for them.
 
@@ -29,6 +30,39 @@ from linrnn_serve.runner.plan import SamplingRow
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
 
+def _i64(c: int) -> int:
+    """A 64-bit pattern as the int64 torch stores it."""
+    c &= (1 << 64) - 1
+    return c - (1 << 64) if c >> 63 else c
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """runner/plan.py::splitmix64 on int64 tensors (wrapping arithmetic = the same bits mod 2**64)."""
+    x = x + _i64(0x9E3779B97F4A7C15)
+    x = (x ^ _srl(x, 30)) * _i64(0xBF58476D1CE4E5B9)
+    x = (x ^ _srl(x, 27)) * _i64(0x94D049BB133111EB)
+    return x ^ _srl(x, 31)
+
+
+def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms in (0, 1): runner/plan.py::uniform_for(seed, index) elementwise, on the device
+    (seed: int64 bit patterns of the 64-bit seeds; index: int64 output positions). Sync-free, shape-static."""
+    h = splitmix64(seed ^ splitmix64(index + 0x5EED))
+    return (_srl(h, 11).double() + 0.5) / float(1 << 53)
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host -> device without a host sync on CUDA (through pinned memory)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters as device tensors [B]."""
@@ -41,14 +75,9 @@ class SamplingTensors:
 
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], device) -> "SamplingTensors":
-        f32 = dict(dtype=torch.float32, device=device)
-        return cls(
-            torch.tensor([r.temperature for r in rows], **f32),
-            torch.tensor([r.top_k for r in rows], dtype=torch.int64, device=device),
-            torch.tensor([r.top_p for r in rows], **f32),
-            torch.tensor([r.min_p for r in rows], **f32),
-            torch.tensor([r.u for r in rows], dtype=torch.float64, device=device),
-        )
+        f = _to_device(torch.tensor([(r.temperature, r.top_p, r.min_p) for r in rows], dtype=torch.float32), device)
+        i = _to_device(torch.tensor([(r.top_k, _i64(r.seed), r.out_index) for r in rows], dtype=torch.int64), device)
+        return cls(f[:, 0], i[:, 0], f[:, 1], f[:, 2], uniform(i[:, 1], i[:, 2]))
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -141,25 +170,38 @@ def _flat(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(rows, dtype=torch.long), torch.tensor(vals, dtype=torch.long)
 
 
-def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, top_n: list[int]) -> list[dict[int, float]]:
-    """Per row: {token_id: logprob} for the given token and the row's top_n[i] most likely tokens.
-
-    logits [R, V] (raw), token_ids [R]. One host transfer for all rows."""
-    if logits.shape[0] == 0:
-        return []
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """On the device: [token ids [R], their logprobs [R], top-n logprobs [R, n], top-n ids [R, n]]
+    (n = 0: the last two are empty). logits [R, V] raw."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, token_ids.long()[:, None]).squeeze(1)
-    n = max(top_n)
+    ids = token_ids.long()
+    chosen = lp.gather(1, ids[:, None]).squeeze(1)
     if n > 0:
         top_v, top_i = lp.topk(n, dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-    ids, vals = token_ids.tolist(), chosen.tolist()
+    else:
+        top_v, top_i = lp.new_empty(lp.shape[0], 0), ids.new_empty(lp.shape[0], 0)
+    return [ids, chosen, top_v, top_i]
+
+
+def logprob_dicts(parts: list[torch.Tensor], top_n: list[int]) -> list[dict[int, float]]:
+    """logprob_tensors' output (on the host) -> per row {token_id: logprob}: the row's top_n[i] most
+    likely tokens and the given token."""
+    ids, vals, top_v, top_i = (t.tolist() for t in parts)
     out = []
     for r in range(len(ids)):
         d = {}
-        if n > 0:
-            for j in range(top_n[r]):
-                d[top_i[r][j]] = top_v[r][j]
+        tv, ti = top_v[r], top_i[r]
+        for j in range(top_n[r]):
+            d[ti[j]] = tv[j]
         d[ids[r]] = vals[r]
         out.append(d)
     return out
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, top_n: list[int]) -> list[dict[int, float]]:
+    """Per row: {token_id: logprob} for the given token and the row's top_n[i] most likely tokens.
+
+    logits [R, V] (raw), token_ids [R]. One host transfer per part for all rows."""
+    if logits.shape[0] == 0:
+        return []
+    return logprob_dicts(logprob_tensors(logits, token_ids, max(top_n)), top_n)

@@ -10,6 +10,7 @@ The engine core never touches a worker's tensors: it talks to its workers throug
     w.init_caches(budget)                   # the executor passes the budget every rank agrees on
     w.capture_graphs()
     result = w.execute(plan)                # StepPlan -> StepResult, every step
+    pending = w.execute_async(plan)         # or: launch now, pending.result() once the ids are needed
 
 Everything crossing that boundary is plain data (EngineConfig, ModelConfig, CacheBudget, StepPlan,
 StepResult), so a worker can live in another process (one per GPU) with the same interface.
@@ -134,6 +135,10 @@ class Worker:
     # ---- every step ----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
+
+    def execute_async(self, plan: StepPlan):
+        """Launch the step; a PendingStep whose result() is the StepResult (overlapped steps)."""
+        return self.runner.execute_async(plan)
 
     def last_logits(self) -> dict[int, torch.Tensor]:
         return self.runner.last_logits()
