@@ -9,8 +9,8 @@
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-timeout 150 python3 -m pytest -q -m gpu tests/test_overlap_gpu.py -x 2>&1 | tail -4
-timeout 200 python3 -m linrnn_serve bench batched --npp 128 --ntg 128 --npl 1,8,128 --profile 1,128 --profile-steps 20 \
+LINRNN_WARMUP=0 timeout 150 python3 -m pytest -q -m gpu tests/test_overlap_gpu.py -x 2>&1 | tail -4
+timeout 210 python3 -m linrnn_serve bench batched --npp 128 --ntg 128 --npl 1,8,128 --profile 1,128 --profile-steps 20 \
   --config model=qwen35moe-nvfp4,load-format=dummy,async-scheduling=false \
   --config model=qwen35moe-nvfp4,load-format=dummy,async-scheduling=true \
   --out "$OUT/batched_overlap" 2>&1 | grep -E "^\||^#|profile:"
