@@ -234,3 +234,12 @@ def test_core_deltas_overlapped_equal_sync(make_engine):
         return got
 
     assert streams(make_engine(async_scheduling=True)) == streams(make_engine(async_scheduling=False))
+
+
+def test_engine_overlapped_with_padded_prefill(make_engine, monkeypatch):
+    """The GPU's default prefill layout (padded to token buckets, prefill_graphs.py) with overlapped steps."""
+    monkeypatch.setenv("LINRNN_PREFILL_GRAPHS", "1")
+    ref = tokens(drain(make_engine(async_scheduling=False), mixed_workload(seed=7, sampled=True)))
+    eng = make_engine(async_scheduling=True)
+    assert eng.runner.prefill_graphs is not None
+    assert tokens(drain(eng, mixed_workload(seed=7, sampled=True))) == ref
