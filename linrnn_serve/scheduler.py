@@ -297,7 +297,8 @@ class Scheduler:
             seq.num_computed += 1
             budget -= 1
 
-        for seq in list(self.running):  # 2. chunked prefills in flight
+        # 2. chunked prefills in flight (no pass at all when every running sequence already decodes)
+        for seq in list(self.running) if len(scheduled) < len(self.running) else ():
             if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled:
                 continue
             if seq.decode_ready:  # left unscheduled by an exhausted budget
