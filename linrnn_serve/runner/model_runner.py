@@ -269,8 +269,8 @@ class ModelRunner:
             self.caches.snapshots.copy_to(self.caches.state, [s for s, _ in plan.snapshot_restores],
                                           [d for _, d in plan.snapshot_restores])
         if plan.block_copies:
-            src = torch.tensor([s for s, _ in plan.block_copies], dtype=torch.long, device=self.device)
-            dst = torch.tensor([d for _, d in plan.block_copies], dtype=torch.long, device=self.device)
+            src = self._to_device([s for s, _ in plan.block_copies])  # (copy-on-write: no host sync)
+            dst = self._to_device([d for _, d in plan.block_copies])
             kv = self.caches.kv.kv  # [layers, 2, blocks, block_size, heads, dim]
             kv[:, :, dst] = kv[:, :, src]
 
