@@ -224,3 +224,28 @@ def test_host_gap_is_wall_minus_profiled_kernel_time():
     cells = batched.row_cells({**res["rows"][1], "PP": 128, "TG": 128, "N_KV": 1, "T_PP": 1, "S_PP": 1, "T_TG": 1,
                                "S_TG": 1, "S": 1, "floor_ms": 1, "pct_floor": 1}, False)
     assert cells[batched.COLUMNS.index("host gap ms/step")] == "3.300"
+
+
+def test_bench_batched_overlapped_vs_sync_cpu(tmp_path, monkeypatch, one_thread):
+    """--config async-scheduling=false / =true side by side (tools/gpu_overlap.sh): both complete, same
+    tokens decoded per row, labelled apart; a profile of the last configuration gives the earlier one of the
+    same weights its kernel time too (here on the CPU: no kernel rows, so no host gap on either)."""
+    monkeypatch.setenv("LINRNN_SERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    from linrnn_serve.cli import main
+
+    rc = main(["bench", "batched", "--npp", "8", "--ntg", "4", "--npl", "1,3", "--warmup-steps", "1",
+               "--config", "model=tiny,async-scheduling=false", "--config", "model=tiny,async-scheduling=true",
+               "--no-progress", "--out", str(out)])
+    assert rc == 0
+    sync, over = json.loads((out / "batched.json").read_text())["configs"]
+    assert sync["label"].endswith(" sync") and over["label"].endswith(" overlapped")
+    for res in (sync, over):
+        assert [r["B"] for r in res["rows"]] == [1, 3]
+        assert all(r["complete"] and r["decoded_tokens"] == r["B"] * 4 for r in res["rows"])
+    rows = {"B": 3, "kernel_ms": 1.0}
+    prof = [{"B": 3, "busy_ms_per_step": 1.0, "what": "kernel"}]
+    res = {"rows": [dict(rows, ms_per_step=1.25)]}
+    batched.add_host_gap(res, prof)
+    assert res["rows"][0]["host_gap_ms"] == pytest.approx(0.25)
