@@ -12,8 +12,9 @@ A hang becomes an error that says where every rank was:
     the other ranks to do the same (SIGUSR1: every rank registers faulthandler on it), then calls
     `on_hang(reason)` (rank 0: kill the workers, so the engine's failure path aborts the collectives
     and raises; a worker: exit with status 3, which rank 0 reports with the reason);
-  * SIGTERM (e.g. `timeout` ending a stuck run) and fatal signals (SIGSEGV, SIGABRT from the NCCL
-    watchdog) dump the stacks into the same file before the process ends;
+  * in a worker process, SIGTERM (e.g. `timeout` ending a stuck run) and fatal signals (SIGSEGV,
+    SIGABRT from the NCCL watchdog) dump the stacks into the same file before the process ends (rank 0
+    lives in the engine's process and leaves its signal handling alone: the watchdog dumps its stacks);
   * <dump_dir>/rank<r>.log keeps every stage line with its time, so the last line of each rank is
     where it stopped.
 The watchdog thread makes no CUDA calls (it never disturbs a CUDA-graph capture in progress).
@@ -63,10 +64,10 @@ class RankWatch:
         self._stacks = open(self.stacks_path, "a", buffering=1)
         self._log = open(os.path.join(dump_dir, f"rank{rank}.log"), "a", buffering=1)
         self.own_process = own_process
-        if own_process:
-            faulthandler.enable(self._stacks, all_threads=True)
         faulthandler.register(signal.SIGUSR1, self._stacks, all_threads=True, chain=False)
-        faulthandler.register(signal.SIGTERM, self._stacks, all_threads=True, chain=True)
+        if own_process:  # rank 0 leaves the engine process's fatal-signal and SIGTERM handling alone
+            faulthandler.enable(self._stacks, all_threads=True)
+            faulthandler.register(signal.SIGTERM, self._stacks, all_threads=True, chain=True)
         self._thread = threading.Thread(target=self._run, name=f"linrnn-tp-watch{rank}", daemon=True)
         self._thread.start()
 
@@ -100,14 +101,20 @@ class RankWatch:
         self.last = time.monotonic()
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            try:
-                faulthandler.unregister(sig)
-            except (ValueError, RuntimeError):
-                pass
         if self.own_process:
+            for sig in (signal.SIGUSR1, signal.SIGTERM):
+                faulthandler.unregister(sig)
             faulthandler.disable()
+        else:  # a late SIGUSR1 from a worker must not end the engine's process (the default action)
+            try:
+                faulthandler.register(signal.SIGUSR1, sys.__stderr__, all_threads=True, chain=False)
+            except (AttributeError, ValueError, OSError, RuntimeError):  # no usable stderr: ignore it
+                signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        for f in (self._stacks, self._log):
+            f.close()
 
     # ---- the watchdog ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -136,7 +143,10 @@ class RankWatch:
                   f"(+{time.monotonic() - self.t0:.0f} s since start); Python stacks of every rank in "
                   f"{self.dump_dir}/rank*.stacks")
         self.dump_stacks(reason, also_stderr=True)
-        self._log.write(f"{time.strftime('%H:%M:%S')} HANG {reason}\n")
+        try:
+            self._log.write(f"{time.strftime('%H:%M:%S')} HANG {reason}\n")
+        except ValueError:  # closed meanwhile
+            pass
         for pid in self.peers():
             try:
                 os.kill(pid, signal.SIGUSR1)
