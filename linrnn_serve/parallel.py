@@ -258,15 +258,13 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
 
 
 # Environment every rank of an NCCL group starts with (set only where the user has not): NCCL warnings
-# on stderr; a collective that times out aborts the communicator and ends the process with the
-# c10d watchdog's message naming the operation (instead of hanging); the NCCL flight recorder, whose
-# per-rank record of the last collectives is dumped on a timeout (TORCH_NCCL_DEBUG_INFO_TEMP_FILE is set
-# per run by the executor, next to the ranks' stacks). NCCL_NVLS_ENABLE and the like are left alone.
+# on stderr; a collective that times out aborts the communicator and ends the process with the c10d
+# watchdog's message naming the operation and its sequence number, instead of hanging. (The c10d flight
+# recorder, TORCH_NCCL_TRACE_BUFFER_SIZE, stays the user's choice: it is not known to be safe while NCCL
+# calls are captured in CUDA graphs.) NCCL_NVLS_ENABLE and the like are left alone.
 NCCL_ENV_DEFAULTS = {
     "NCCL_DEBUG": "WARN",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
 }
 
 

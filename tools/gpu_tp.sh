@@ -3,8 +3,8 @@
 # timeout_s 600; worst case, every stage hitting its own timeout, ~8 min). Each stage has its own timeout and
 # leaves its stage logs and the Python stacks of every rank when it hangs (LINRNN_TP_HANG_S without progress
 # dumps them; `timeout`'s SIGTERM does too), so a hang in one stage still reports the others. Prints each
-# stage's table as it finishes, then a summary; everything (logs, per-rank stage logs and stacks, NCCL flight
-# recorder dumps, JSON) in $OUT/gpu_tp.tgz, the printed report in $OUT/gpu_tp.txt.
+# stage's table as it finishes, then a summary; everything (logs, per-rank stage logs and stacks, JSON) in
+# $OUT/gpu_tp.tgz, the printed report in $OUT/gpu_tp.txt.
 #   a. NCCL: all-reduce bus bandwidth to 64 MB, then an all-reduce + all-gather captured in one CUDA graph through
 #      torch.distributed and replayed (what the decode graphs rely on; tools/nccl_probe.py --graph)
 #   b. 35B-A3B NVFP4 dummy: greedy streams and logits of TP2 eager, TP2 and EP2 vs TP1 on a fixed prompt set
@@ -25,7 +25,7 @@ if [ "$NGPU" -lt 2 ]; then echo "needs 2 or more GPUs: blocked"; exit 2; fi
 declare -A RC SECS
 stage() {  # name timeout cmd...: own timeout (SIGTERM to the group: every rank dumps its stacks), status kept
   local name=$1 t=$2; shift 2
-  mkdir -p "$L/$name/ranks"; export LINRNN_TP_DUMP_DIR=$L/$name/ranks TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$L/$name/ranks/nccl_trace_rank_
+  mkdir -p "$L/$name/ranks"; export LINRNN_TP_DUMP_DIR=$L/$name/ranks
   el "== $name (timeout $t s)"
   local s=$(date +%s)
   timeout -k 10 "$t" "$@" > "$L/$name/log" 2>&1; RC[$name]=$?

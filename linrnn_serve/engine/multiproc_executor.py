@@ -16,8 +16,8 @@ Diagnosis (runner/rank_watch.py): every rank logs its start-up stages with rank 
 a stage log in the dump directory (env LINRNN_TP_DUMP_DIR, default a fresh temporary folder, named
 in the log); a rank busy without progress for LINRNN_TP_HANG_S seconds (default 300) dumps the
 Python stacks of all ranks there and the engine fails with an error naming the rank and the stage.
-NCCL runs with NCCL_DEBUG=WARN, a collective timeout that aborts instead of hanging, and the flight
-recorder dumped next to the stacks (parallel.NCCL_ENV_DEFAULTS; a value already set is kept).
+NCCL runs with NCCL_DEBUG=WARN and a collective timeout that aborts instead of hanging
+(parallel.NCCL_ENV_DEFAULTS; a value already set is kept).
 
 Failure: a worker that raises reports the error and exits; a worker that is killed closes its
 sockets. A watcher thread notices (also between steps), and aborts an NCCL group so a collective in
@@ -84,8 +84,6 @@ class MultiprocExecutor(Executor):
             set_nccl_env_defaults()  # inherited by the spawned ranks
         dump_dir = os.environ.get(DUMP_DIR_ENV) or tempfile.mkdtemp(prefix="linrnn-tp-")
         os.makedirs(dump_dir, exist_ok=True)
-        if backend == "nccl":  # the flight recorder's per-rank dump on a collective timeout, beside the stacks
-            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(dump_dir, "nccl_trace_rank_"))
         self.spec = WorkerSpec(
             c, self.model_config, self.model_dir, self.device.type, self.dtype, self.max_model_len, N,
             f"tcp://127.0.0.1:{_free_port()}", backend, GROUP_TIMEOUT_S, self.calibration_tokens,
