@@ -10,12 +10,12 @@
 #   b. 35B-A3B NVFP4 dummy: greedy streams and logits of TP2 eager, TP2 and EP2 vs TP1 on a fixed prompt set
 #      (8 prompts x 24 tokens; bf16 tolerance 0.05 on the logits; tools/tp_compare.py --check)
 #   c. bench batched TP1 / TP2 / EP2, same model: S_TG at npl 1, 8, 32, 128 (PP 128, TG 32), with the per-step
-#      communication time and the all-reduce bandwidth (compare with a's bus bandwidth)
+#      communication time and the all-reduce bandwidth beside a's bus bandwidth (tools/tp_comm_summary.py)
 #   d. 122B-A10B NVFP4 dummy served at TP 2: health, one completion, bench serve at concurrency 1 and 16
 # With 4 GPUs: GPU_TP_397B=1 adds e. the 397B-A17B NVFP4 dummy served at TP 4 (longer than 8 min in all).
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; L=/tmp/gpu_tp; rm -rf "$L"; mkdir -p "$L" "$OUT"
-export LINRNN_TP_HANG_S=${LINRNN_TP_HANG_S:-45} PYTHONUNBUFFERED=1
+export LINRNN_TP_HANG_S=${LINRNN_TP_HANG_S:-60} PYTHONUNBUFFERED=1
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 exec > >(tee "$OUT/gpu_tp.txt") 2>&1
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -47,15 +47,16 @@ stage a_nccl 40 python3 -m tools.nccl_probe --ranks 2 --max-bytes $((64 << 20)) 
 grep "^|\|^all-reduce" "$L/a_nccl/log"
 
 # ---- b. greedy TP2 eager / TP2 / EP2 vs TP1 ---------------------------------------------------------------
-stage b_compare 180 python3 -m tools.tp_compare --model qwen35moe-nvfp4 --load-format dummy --device cuda \
-  --configs tp1,tp2e,tp2,ep2 --num-prompts 8 --max-tokens 24 --timeout 75 --check 0.05 --out "$L/b_compare"
+stage b_compare 190 python3 -m tools.tp_compare --model qwen35moe-nvfp4 --load-format dummy --device cuda \
+  --configs tp1,tp2e,tp2,ep2 --num-prompts 8 --max-tokens 24 --timeout 90 --check 0.05 --out "$L/b_compare"
 grep -E "^\||exit status|ready in|TIMEOUT|CHECK" "$L/b_compare/log"
 
 # ---- c. bench batched TP1 / TP2 / EP2 ---------------------------------------------------------------------
 M="model=qwen35moe-nvfp4,load-format=dummy"
-stage c_batched 120 python3 -m linrnn_serve bench batched --npp 128 --ntg 32 --npl 1,8,32,128 --no-progress \
+stage c_batched 130 python3 -m linrnn_serve bench batched --npp 128 --ntg 32 --npl 1,8,32,128 --no-progress \
   --config "$M,label=TP1" --config "$M,tp=2,label=TP2" --config "$M,tp=2,ep=true,label=EP2" --out "$L/c_batched/batched"
 grep -E "^\||^## |^Comm|FAILED|engine ready" "$L/c_batched/log"
+python3 -m tools.tp_comm_summary "$L/c_batched/batched/batched.json" "$L/a_nccl/nccl_probe.json" 2>&1 | head -20
 
 # ---- d. 122B-A10B NVFP4 dummy served at TP 2 --------------------------------------------------------------
 serve_check() {  # model tp port extra-flags...: start, health, one completion, bench serve c=1,16, stop
