@@ -97,7 +97,8 @@ class MultiprocExecutor(Executor):
         self._steps = 0
         log.info("tensor parallel: starting %s over %d %s ranks (%s%s); stage logs and stacks of a hang in %s",
                  self.parallel.describe(), N, self.device.type, backend, ", one GPU" if single else "", dump_dir)
-        self.watch = RankWatch(0, dump_dir, self.spec.hang_s, peers=lambda: [p.pid for p in self.procs if p.pid],
+        self._started: list[int] = []  # pids of the workers that answer SIGUSR1 (a stacks dump)
+        self.watch = RankWatch(0, dump_dir, self.spec.hang_s, peers=lambda: list(self._started),
                                on_hang=self._on_hang, own_process=False)
         try:
             for rank in range(1, N):
@@ -109,8 +110,10 @@ class MultiprocExecutor(Executor):
                 self.procs.append(p)
                 self.conns.append(parent)
             self.watch.stage(f"spawned ranks 1..{N - 1}: pids {' '.join(str(p.pid) for p in self.procs)}")
+            self.watch.idle()  # importing takes what it takes on a cold machine; a death is seen at once
             for i in range(N - 1):  # every worker runs before rank 0 waits for it in the rendezvous
-                self._recv(i, "started")
+                self._started.append(self._recv(i, "started"))
+            self.watch.busy("start-up")
             # a worker dying during start-up aborts rank 0's collectives at once (NCCL would wait on it)
             self._watcher = threading.Thread(target=self._watch, name="linrnn-tp-watch", daemon=True)
             self._watcher.start()
@@ -267,7 +270,7 @@ class MultiprocExecutor(Executor):
         """Rank 0's Python stacks into its stacks file, and SIGUSR1 to the live workers (theirs)."""
         self.watch.dump_stacks(why)
         for p in self.procs:
-            if p.is_alive() and p.pid:
+            if p.is_alive() and p.pid in self._started:
                 try:
                     os.kill(p.pid, signal.SIGUSR1)
                 except OSError:

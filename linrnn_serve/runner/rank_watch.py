@@ -8,6 +8,7 @@ each worker process own one RankWatch).
 
 A hang becomes an error that says where every rank was:
   * a daemon thread checks once a second; when a busy rank has made no progress for `hang_s` seconds
+    (and no rank's stage log has grown meanwhile: a rank waiting for a peer that is still loading waits)
     it writes the Python stacks of all its threads to <dump_dir>/rank<r>.stacks (and stderr), asks
     the other ranks to do the same (SIGUSR1: every rank registers faulthandler on it), then calls
     `on_hang(reason)` (rank 0: kill the workers, so the engine's failure path aborts the collectives
@@ -122,7 +123,7 @@ class RankWatch:
             time.sleep(1.0)
             if self.busy_since is None or self._closed:
                 continue
-            stalled = time.monotonic() - self.last
+            stalled = min(time.monotonic() - self.last, self._since_peer_progress())
             if stalled >= self.hang_s:
                 self.fired = True
                 self._fire(stalled)
@@ -137,6 +138,19 @@ class RankWatch:
                 f.flush()
             except (ValueError, OSError):
                 pass
+
+    def _since_peer_progress(self) -> float:
+        """Seconds since any rank's stage log last grew: a rank waiting in a collective for a peer that is
+        still loading (and marking progress) is not hung."""
+        newest = 0.0
+        try:
+            with os.scandir(self.dump_dir) as it:
+                for e in it:
+                    if e.name.startswith("rank") and e.name.endswith(".log"):
+                        newest = max(newest, e.stat().st_mtime)
+        except OSError:
+            return float("inf")
+        return time.time() - newest if newest else float("inf")
 
     def _fire(self, stalled: float) -> None:
         reason = (f"TP rank {self.rank}: no progress for {stalled:.0f} s in '{self.what}' "

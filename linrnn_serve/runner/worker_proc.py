@@ -109,12 +109,13 @@ def start_up(w: Worker, spec: WorkerSpec, watch: RankWatch, agree: Callable[[Cac
 
 
 def worker_main(conn, rank: int, spec: WorkerSpec) -> None:
-    conn.send(("started", os.getpid()))  # imported and running: the core joins the group only after this
+    watch = RankWatch(rank, spec.dump_dir, spec.hang_s, peers=lambda: [os.getppid()])
+    # imported, running and answering SIGUSR1 with its stacks: the core joins the group only after this
+    conn.send(("started", os.getpid()))
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     logging.getLogger("linrnn_serve.tp").setLevel(logging.INFO)  # the start-up stages of every rank
     if spec.cpu_threads:
         torch.set_num_threads(spec.cpu_threads)
-    watch = RankWatch(rank, spec.dump_dir, spec.hang_s, peers=lambda: [os.getppid()])
     try:
         w = build_worker(spec, rank, False, watch)
 
