@@ -83,17 +83,86 @@ def _prefetch_weights(w_ptr, sw, offs_n, n_ok, k_lo, k_hi, N, GATED: tl.constexp
 
 
 @triton.jit
-def _mac(acc, a, w, USE_DOT: tl.constexpr, COMPUTE: tl.constexpr):
+def _mac(acc, a, w, COMPUTE: tl.constexpr):
+    """acc += a w^T on the tensor cores (a [BLOCK_M >= 16, BLOCK_K], w [BLOCK_N, BLOCK_K])."""
+    if COMPUTE == tl.float32:  # f32 models must not drop to TF32 (the interpreter computes in f32 too)
+        return tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee", out_dtype=tl.float32)
+    return tl.dot(a.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n, n_ok, k_lo, k_hi, N, rstd,
+               pro_eps, PRO: tl.constexpr, GATED: tl.constexpr, HEAD: tl.constexpr, USE_DOT: tl.constexpr,
+               COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """(acc, acc_u) [BLOCK_M, BLOCK_N] f32: prologue(x)[:, k_lo:k_hi] W[offs_n]^T, and with GATED the same for
+    the up rows W[N + offs_n] (acc_u; zeros otherwise)."""
+    ACT: tl.constexpr = x_ptr.dtype.element_ty
+    offs_k = tl.arange(0, BLOCK_K)
     if USE_DOT:
-        if COMPUTE == tl.float32:  # f32 models must not drop to TF32 (the interpreter computes in f32 too)
-            return tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee", out_dtype=tl.float32)
-        return tl.dot(a.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, out_dtype=tl.float32)
-    return acc + tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        w_rows = offs_n.to(tl.int64) * sw
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            cols = k0 + offs_k
+            if EVEN_K:  # every tile full: masks constant along K keep the 16-byte vector loads
+                k_ok = offs_k < BLOCK_K
+            else:
+                k_ok = cols < k_hi
+            a = _load_a(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, rows, cols, m_ok, k_ok, rstd, pro_eps,
+                        PRO, HEAD, BLOCK_M, BLOCK_K, ACT)
+            wmask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=wmask, other=0.0,
+                        eviction_policy="evict_first")
+            acc = _mac(acc, a, w, COMPUTE)
+            if GATED:
+                wu = tl.load(w_ptr + (w_rows + N * sw)[:, None] + cols[None, :], mask=wmask, other=0.0,
+                             eviction_policy="evict_first")
+                acc_u = _mac(acc_u, a, wu, COMPUTE)
+    else:
+        # FMA: the [BLOCK_M, BLOCK_N, BLOCK_K] products accumulate elementwise in the weight tile's own layout
+        # (loaded as [1, BLOCK_N, BLOCK_K]: 16-byte vectors along K, broadcast over the rows, no layout
+        # conversion of the weights), reduced over K once after the loop; the next weight tile is loaded
+        # before this one is used (two tiles in flight per program).
+        w3 = w_ptr + (offs_n.to(tl.int64) * sw)[None, :, None] + offs_k[None, None, :]
+        n3 = n_ok[None, :, None]
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+        accu3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+        if EVEN_K:
+            wmask = n3 & (tl.full((1, 1, BLOCK_K), k_lo, tl.int32) < k_hi)  # uniform along K: keeps the vectors
+        else:
+            wmask = n3 & ((k_lo + offs_k) < k_hi)[None, None, :]
+        w_next = tl.load(w3 + k_lo, mask=wmask, other=0.0, eviction_policy="evict_first")
+        if GATED:
+            wu_next = tl.load(w3 + N * sw + k_lo, mask=wmask, other=0.0, eviction_policy="evict_first")
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            w = w_next
+            kn = k0 + BLOCK_K
+            if EVEN_K:
+                k_ok = offs_k < BLOCK_K
+                wmask = n3 & (tl.full((1, 1, BLOCK_K), kn, tl.int32) < k_hi)
+            else:
+                k_ok = (k0 + offs_k) < k_hi
+                wmask = n3 & ((kn + offs_k) < k_hi)[None, None, :]
+            w_next = tl.load(w3 + kn, mask=wmask, other=0.0, eviction_policy="evict_first")
+            a = _load_a(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, rows, k0 + offs_k, m_ok, k_ok, rstd, pro_eps,
+                        PRO, HEAD, BLOCK_M, BLOCK_K, ACT)[:, None, :]
+            acc3 += a * w.to(tl.float32)
+            if GATED:
+                wu = wu_next
+                wu_next = tl.load(w3 + N * sw + kn, mask=wmask, other=0.0, eviction_policy="evict_first")
+                accu3 += a * wu.to(tl.float32)
+        acc = tl.sum(acc3, axis=2)
+        if GATED:
+            acc_u = tl.sum(accu3, axis=2)
+        else:
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    return acc, acc_u
 
 
 @triton.jit
 def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
-            nw_ptr, y_ptr, sy, tick_ptr, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
+            nw_ptr, y_ptr, sy, tick_ptr, sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
             EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, ACT: tl.constexpr):
     mask = m_ok[:, None] & n_ok[None, :]
@@ -126,18 +195,21 @@ def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl
         y = _round(y + r, ACT)
     tl.store(out_ptr + rows[:, None] * so + offs_n[None, :], y.to(ACT), mask=mask)
     if ROW_NORM:
+        # this tile's share of each row's sum of squares (of the stored h values); the last tile adds the
+        # shares in tile order (bit-reproducible) and normalises the rows in one pass over h
+        tl.store(sumsq_ptr + pid_n * BLOCK_M + rows, tl.sum(tl.where(mask, y * y, 0.0), axis=1))
         tl.debug_barrier()
         done = tl.atomic_add(tick_ptr + n_tiles, 1, sem="acq_rel", scope="gpu")
         if done == n_tiles - 1:
             tl.debug_barrier()
-            cols = tl.arange(0, BLOCK_R)
+            offs_t = tl.arange(0, 64)
             ss = tl.zeros((BLOCK_M,), tl.float32)
-            for c0 in range(0, N, BLOCK_R):
-                c_ok = c0 + cols < N
-                h = tl.load(out_ptr + rows[:, None] * so + (c0 + cols)[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                            other=0.0, cache_modifier=".cg").to(tl.float32)
-                ss += tl.sum(h * h, axis=1)
+            for t0 in range(0, n_tiles, 64):
+                part = tl.load(sumsq_ptr + (t0 + offs_t)[:, None] * BLOCK_M + rows[None, :],
+                               mask=(t0 + offs_t < n_tiles)[:, None], other=0.0, cache_modifier=".cg")
+                ss += tl.sum(part, axis=0)
             rstd = 1.0 / tl.sqrt(ss / N + norm_eps)
+            cols = tl.arange(0, BLOCK_R)
             for c0 in range(0, N, BLOCK_R):
                 c_ok = c0 + cols < N
                 cm = m_ok[:, None] & c_ok[None, :]
@@ -150,27 +222,54 @@ def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl
 
 
 @triton.jit
+def _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n, pid_k, n_split, N,
+                  GATED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Split-K: store this program's partials [n_split, (2,) BLOCK_M, N] f32, take the tile's ticket; the last
+    program of the tile gets (True, the sum over splits in split order 0, 1, ...: bit-reproducible)."""
+    W2: tl.constexpr = 2 if GATED else 1
+    part = ws_ptr + rows[:, None] * N + offs_n[None, :]
+    pmask = m_ok[:, None] & n_ok[None, :]
+    split_stride = W2 * BLOCK_M * N
+    tl.store(part + pid_k * split_stride, acc, mask=pmask)
+    if GATED:
+        tl.store(part + pid_k * split_stride + BLOCK_M * N, acc_u, mask=pmask)
+    tl.debug_barrier()
+    done = tl.atomic_add(tick_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    last = done == n_split - 1
+    if last:
+        tl.debug_barrier()
+        acc = tl.zeros((BLOCK_M, acc.shape[1]), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, acc.shape[1]), tl.float32)
+        for s in range(0, n_split):  # fixed order
+            acc += tl.load(part + s * split_stride, mask=pmask, other=0.0, cache_modifier=".cg")
+            if GATED:
+                acc_u += tl.load(part + s * split_stride + BLOCK_M * N, mask=pmask, other=0.0, cache_modifier=".cg")
+        tl.store(tick_ptr + pid_n, 0)
+    return last, acc, acc_u
+
+
+@triton.jit
 def _skinny_program(
-        pid_n, pid_k, n_tiles,
+        pid_n, pid_k, n_tiles, n_split,
         x_ptr, sx, g_ptr, sg, sgh, pw_ptr,
-        w_ptr, sw, rs_ptr, ws_ptr, tick_ptr,
+        w_ptr, sw, rs_ptr, ws_ptr, tick_ptr, sumsq_ptr,
         out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
         M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
         PRO: tl.constexpr, EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
-        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
         COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr):
-    """Program (pid_n, pid_k) of an n_tiles x SPLIT_K grid (the fused router runs the shared expert's
-    gate_up tiles through it too, with its own tickets)."""
+    """Program (pid_n, pid_k) of an n_tiles x n_split grid (the fused router runs the shared expert's gate_up
+    tiles through it too, with its own tickets)."""
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     m_ok = rows < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
 
     rstd = tl.zeros((BLOCK_M,), tl.float32)
-    if PRO == 1:
+    if PRO == 1:  # the whole row's sum of squares before the K loop (each program recomputes it)
+        offs_k = tl.arange(0, BLOCK_K)
         ss = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xk = tl.load(x_ptr + rows[:, None] * sx + (k0 + offs_k)[None, :],
@@ -178,69 +277,32 @@ def _skinny_program(
             ss += tl.sum(xk * xk, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + pro_eps)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
-    w_rows = offs_n.to(tl.int64) * sw
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        cols = k0 + offs_k
-        if EVEN_K:  # every tile full: masks constant along K keep the 16-byte vector loads
-            k_ok = offs_k < BLOCK_K
-        else:
-            k_ok = cols < k_hi
-        a = _load_a(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, rows, cols, m_ok, k_ok, rstd, pro_eps,
-                    PRO, HEAD, BLOCK_M, BLOCK_K, ACT)
-        wmask = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc = _mac(acc, a, w, USE_DOT, COMPUTE)
-        if EPI == 1:
-            wu = tl.load(w_ptr + (w_rows + N * sw)[:, None] + cols[None, :], mask=wmask, other=0.0,
-                         eviction_policy="evict_first")
-            acc_u = _mac(acc_u, a, wu, USE_DOT, COMPUTE)
+    acc, acc_u = _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n, n_ok, k_lo, k_hi, N,
+                            rstd, pro_eps, PRO, EPI == 1, HEAD, USE_DOT, COMPUTE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     if HAS_SCALE:
         acc = acc * tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if EPI == 1:
             acc_u = acc_u * tl.load(rs_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
-
-    if SPLIT_K == 1:
+    last = True
+    if SPLIT:
+        last, acc, acc_u = _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n, pid_k,
+                                         n_split, N, EPI == 1, BLOCK_M)
+    if last:
         _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
-                nw_ptr, y_ptr, sy, tick_ptr, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
-                EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT)
-    else:
-        # partials [SPLIT_K, (2,) BLOCK_M, N] f32; the gated epilogue keeps the up half after the gate half
-        W2: tl.constexpr = 2 if EPI == 1 else 1
-        part = ws_ptr + rows[:, None] * N + offs_n[None, :]
-        pmask = m_ok[:, None] & n_ok[None, :]
-        split_stride = W2 * BLOCK_M * N
-        tl.store(part + pid_k * split_stride, acc, mask=pmask)
-        if EPI == 1:
-            tl.store(part + pid_k * split_stride + BLOCK_M * N, acc_u, mask=pmask)
-        tl.debug_barrier()
-        done = tl.atomic_add(tick_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            tl.debug_barrier()
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in tl.static_range(SPLIT_K):  # fixed order: bit-reproducible
-                acc += tl.load(part + s * split_stride, mask=pmask, other=0.0, cache_modifier=".cg")
-                if EPI == 1:
-                    acc_u += tl.load(part + s * split_stride + BLOCK_M * N, mask=pmask, other=0.0,
-                                     cache_modifier=".cg")
-            tl.store(tick_ptr + pid_n, 0)
-            _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
-                    nw_ptr, y_ptr, sy, tick_ptr, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
-                    EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT)
+                nw_ptr, y_ptr, sy, tick_ptr, sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr,
+                CC, EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT)
 
 
 @triton.jit
 def _skinny_gemm_kernel(
         x_ptr, sx, g_ptr, sg, sgh, pw_ptr,
-        w_ptr, sw, rs_ptr, ws_ptr, tick_ptr,
+        w_ptr, sw, rs_ptr, ws_ptr, tick_ptr, sumsq_ptr,
         out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
         M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
         PRO: tl.constexpr, EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
-        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
         COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -251,11 +313,11 @@ def _skinny_gemm_kernel(
         _prefetch_weights(w_ptr, sw, offs_n, offs_n < N, pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), N,
                           EPI == 1, BLOCK_K)
         gdc_wait()
-    _skinny_program(pid_n, pid_k, tl.num_programs(0),
-                    x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rs_ptr, ws_ptr, tick_ptr,
+    _skinny_program(pid_n, pid_k, tl.num_programs(0), tl.num_programs(1),
+                    x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rs_ptr, ws_ptr, tick_ptr, sumsq_ptr,
                     out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
                     M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
-                    PRO, EPI, HAS_RES, ROW_NORM, KC, HAS_SCALE, HEAD, SPLIT_K, USE_DOT, COMPUTE,
+                    PRO, EPI, HAS_RES, ROW_NORM, KC, HAS_SCALE, HEAD, SPLIT, USE_DOT, COMPUTE,
                     BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K)
 
 
@@ -280,6 +342,11 @@ def _compute_dtype(x: torch.Tensor):
     if _interpreting() or x.dtype == torch.float32:
         return tl.float32
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
+
+
+def row_block(block_m: int, n: int) -> int:
+    """Columns per step of the row-norm pass: ~4096 elements of [BLOCK_M, BLOCK_R] (32 per thread)."""
+    return max(16, min(triton.next_power_of_2(n), 4096 // block_m))
 
 
 def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=None, pro_w=None, head: int = 0,
@@ -319,6 +386,7 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
         raise ValueError(f"{n_tiles} N tiles exceed the {TICKETS} tickets")
     wide = 2 if epilogue == "silu_mul" else 1
     ws = torch.empty(split * wide * block_m * N if split > 1 else 1, dtype=torch.float32, device=dev)
+    ss = torch.empty(n_tiles * block_m if norm_w is not None else 1, dtype=torch.float32, device=dev)
     dummy = x
     g = gate if gate is not None else dummy
     # gate: [M, K], or a per-head strided view [M, K // head, head] (attention's [q | gate] interleave)
@@ -346,13 +414,13 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
             raise ValueError(f"{name} must be contiguous along its last dim")
     _skinny_gemm_kernel[(n_tiles, split)](
         x, x.stride(0), g, g.stride(0), sgh, pro_w if pro_w is not None else dummy,
-        w.data, w.data.stride(0), w.row_scale if w.row_scale is not None else dummy, ws, tickets(dev),
+        w.data, w.data.stride(0), w.row_scale if w.row_scale is not None else dummy, ws, tickets(dev), ss,
         out, out.stride(0), add, add.stride(0), gl, gl.stride(0), res, res.stride(0),
         norm_w if norm_w is not None else dummy, y, y.stride(0),
         M, N, K, k_per, pro_eps, norm_eps, cw, cs, cs.stride(0) if epilogue == "conv" else 0, idx, CC,
         PRO=PROLOGUES[prologue_kind], EPI=EPILOGUES[epilogue], HAS_RES=residual is not None, KC=KC,
-        ROW_NORM=norm_w is not None, HAS_SCALE=w.row_scale is not None, HEAD=max(head, 1), SPLIT_K=split,
+        ROW_NORM=norm_w is not None, HAS_SCALE=w.row_scale is not None, HEAD=max(head, 1), SPLIT=split > 1,
         USE_DOT=cfg.use_dot, COMPUTE=_compute_dtype(x), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_R=min(1024, triton.next_power_of_2(N)) if block_m <= 4 else 256, EVEN_K=K % cfg.block_k == 0,
+        BLOCK_R=row_block(block_m, N), EVEN_K=K % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(x))
     return (y, out) if norm_w is not None else out

@@ -23,9 +23,10 @@ import triton.language as tl
 from linrnn_kernels.gemv.config import SkinnyConfig, pdl_launch_kwargs
 from linrnn_kernels.gemv.skinny import (
     TICKETS,
-    _mac,
+    _gemm_tile,
     _round,
     _skinny_program,
+    _split_reduce,
     gdc_launch_dependents,
     gdc_wait,
     tickets,
@@ -89,10 +90,10 @@ def _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr
 
 
 @triton.jit
-def _router_program(pid_n, pid_k, n_tiles, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
+def _router_program(pid_n, pid_k, n_tiles, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                     tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                     M, NL, K, K_PER, E, max_blocks,
-                    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+                    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                     COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr):
@@ -101,39 +102,17 @@ def _router_program(pid_n, pid_k, n_tiles, x_ptr, sx, w_ptr, sw, ws_ptr, tick_pt
     m_ok = rows < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < NL
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_PER
-    k_hi = tl.minimum(k_lo + K_PER, K)
-    w_rows = offs_n.to(tl.int64) * sw
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        cols = k0 + offs_k
-        if EVEN_K:
-            k_ok = offs_k < BLOCK_K
-        else:
-            k_ok = cols < k_hi
-        a = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        acc = _mac(acc, a, w, USE_DOT, COMPUTE)
-    pmask = m_ok[:, None] & n_ok[None, :]
-    lg = lg_ptr + rows[:, None] * slg + offs_n[None, :]
+    acc, acc_u = _gemm_tile(x_ptr, sx, x_ptr, 0, 1, x_ptr, w_ptr, sw, rows, m_ok, offs_n, n_ok, k_lo,
+                            tl.minimum(k_lo + K_PER, K), NL, tl.zeros((BLOCK_M,), tl.float32), 0.0, 0, False, 1,
+                            USE_DOT, COMPUTE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     tile_done = True
-    if SPLIT_K > 1:
-        part = ws_ptr + rows[:, None] * NL + offs_n[None, :]
-        tl.store(part + pid_k * BLOCK_M * NL, acc, mask=pmask)
-        tl.debug_barrier()
-        done = tl.atomic_add(tick_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        tile_done = done == SPLIT_K - 1
-        if tile_done:
-            tl.debug_barrier()
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in tl.static_range(SPLIT_K):  # fixed order: bit-reproducible
-                acc += tl.load(part + s * BLOCK_M * NL, mask=pmask, other=0.0, cache_modifier=".cg")
-            tl.store(tick_ptr + pid_n, 0)
+    if SPLIT:
+        tile_done, acc, acc_u = _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n, pid_k,
+                                              n_split, NL, False, BLOCK_M)
     if tile_done:
-        tl.store(lg, _round(acc, ACT).to(ACT), mask=pmask)
+        tl.store(lg_ptr + rows[:, None] * slg + offs_n[None, :], _round(acc, ACT).to(ACT),
+                 mask=m_ok[:, None] & n_ok[None, :])
         tl.debug_barrier()
         finished = tl.atomic_add(tick_ptr + n_tiles, 1, sem="acq_rel", scope="gpu")
         if finished == n_tiles - 1:
@@ -145,14 +124,12 @@ def _router_program(pid_n, pid_k, n_tiles, x_ptr, sx, w_ptr, sw, ws_ptr, tick_pt
             tl.store(tick_ptr + n_tiles, 0)
 
 
-
-
 @triton.jit
 def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                    tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                    w13_ptr, sw13, h_ptr, sh, ws13_ptr,
                    M, NL, K, K_PER, E, max_blocks, NI, n_tiles_r,
-                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                    COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
@@ -162,25 +139,26 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
         gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    n_split = tl.num_programs(1)
     if HAS_SHARED:
         if pid_n >= n_tiles_r:
             # the shared expert's gate_up tiles (same input x): SiLU(gate) * up into h, with own tickets
-            _skinny_program(pid_n - n_tiles_r, pid_k, tl.num_programs(0) - n_tiles_r,
+            _skinny_program(pid_n - n_tiles_r, pid_k, tl.num_programs(0) - n_tiles_r, n_split,
                             x_ptr, sx, x_ptr, 0, 1, x_ptr, w13_ptr, sw13, ws13_ptr, ws13_ptr,
-                            tick_ptr + n_tiles_r + 1, h_ptr, sh, x_ptr, 0, x_ptr, 0, x_ptr, 0, x_ptr, x_ptr, 0,
+                            tick_ptr + n_tiles_r + 1, ws13_ptr, h_ptr, sh, x_ptr, 0, x_ptr, 0, x_ptr, 0, x_ptr, x_ptr, 0,
                             M, NI, K, K_PER, 0.0, 0.0, x_ptr, x_ptr, 0, x_ptr, 0,
-                            0, 1, False, False, 2, False, 1, SPLIT_K, USE_DOT, COMPUTE,
+                            0, 1, False, False, 2, False, 1, SPLIT, USE_DOT, COMPUTE,
                             BLOCK_M, BLOCK_N, BLOCK_K, 16, EVEN_K)
         else:
-            _router_program(pid_n, pid_k, n_tiles_r, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
+            _router_program(pid_n, pid_k, n_tiles_r, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                             tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
-                            M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_K, USE_DOT, COMPUTE,
+                            M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT, USE_DOT, COMPUTE,
                             BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
                             EVEN_K)
     else:
-        _router_program(pid_n, pid_k, n_tiles_r, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
+        _router_program(pid_n, pid_k, n_tiles_r, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                         tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
-                        M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_K, USE_DOT, COMPUTE,
+                        M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT, USE_DOT, COMPUTE,
                         BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
                         EVEN_K)
 
@@ -241,7 +219,7 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
             topk_w, topk_ids, starts, sorted_ids, expert_ids, num_padded,
             w13, sw13, h if h is not None else x, h.stride(0) if h is not None else 0, ws13,
             M, NL, K, k_per, E, max_blocks, NI, n_tiles,
-            TOP_K=top_k, RENORMALIZE=bool(renormalize), SPLIT_K=split, USE_DOT=cfg.use_dot,
+            TOP_K=top_k, RENORMALIZE=bool(renormalize), SPLIT=split > 1, USE_DOT=cfg.use_dot,
             COMPUTE=_compute_dtype(x), BLOCK_M=block_mm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, EVEN_K=K % cfg.block_k == 0,
