@@ -55,24 +55,42 @@ def _pow2_floor(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
 
-def skinny_config(M: int, N: int, K: int, fmt: str, device, head: int = 0) -> SkinnyConfig:
-    """Default config for an [M, K] x [N, K]^T projection (N output columns; the gated epilogue reads
-    2N weight rows). `head`: the gated-norm prologue needs block_k to be a multiple of it."""
-    over = _table_entry(N, K, fmt, M)
-    if over is not None:
-        return over
-    use_dot = M > 4
-    block_n = 16 if use_dot else (32 if M <= 2 else 16)
-    block_k = 256 if M <= 2 else 128
-    if head:
-        block_k = max(block_k // head, 1) * head
+def split_for(N: int, K: int, block_n: int, block_k: int, target: int) -> int:
+    """Smallest power-of-two K split that gives `target` programs (N tiles x splits), at most one per K step."""
     n_tiles = -(-N // block_n)
     k_steps = -(-K // block_k)
-    target = 2 * _num_sms(device)
     split = 1
-    while n_tiles * split < target and split * 2 <= k_steps and split < 16:
+    while n_tiles * split < target and split * 2 <= k_steps and split < 32:
         split *= 2
-    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=3, use_dot=use_dot)
+    return split
+
+
+def skinny_config(M: int, N: int, K: int, fmt: str, device, head: int = 0) -> SkinnyConfig:
+    """Config for an [M, K] x [N, K]^T projection (N output columns; the gated epilogue reads 2N weight
+    rows): the measured table's entry for (N, K, fmt) when there is one, else the default below.
+    `head`: the gated-norm prologue needs block_k to be a multiple of it.
+    Default: FMA up to 4 rows ([M, block_n, block_k] products held in registers, <= 64 per thread, about 4
+    programs per SM); tensor-core dots (rows padded to 16) from 8 rows, about 2 programs per SM."""
+    over = _table_entry(N, K, fmt, M)
+    if over is not None and (not head or over.block_k % head == 0):
+        return over
+    sms = _num_sms(device)
+    if M <= 4:
+        block_n, block_k = (16, 256) if M <= 2 else (8, 256)
+        block_k = min(block_k, max(8, _pow2_floor(K)))
+        if head:
+            block_k = max(block_k // head, 1) * head
+        return SkinnyConfig(block_n, block_k, split_for(N, K, block_n, block_k, 4 * sms), 4, 1, False)
+    block_n, block_k = 64, 128
+    if head:
+        block_k = max(block_k // head, 1) * head
+    return SkinnyConfig(block_n, block_k, split_for(N, K, block_n, block_k, 2 * sms), 4, 4, True)
+
+
+def router_config(M: int, N: int, K: int, device) -> SkinnyConfig:
+    """Config of the fused router's GEMM tiles (N: router rows + the shared expert's gate_up columns)."""
+    over = _table_entry(N, K, "router", M)
+    return over if over is not None else skinny_config(M, N, K, "dense", device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -81,11 +99,15 @@ def _load_table(path: str) -> dict:
         return json.load(f)
 
 
+TUNED = os.path.join(os.path.dirname(__file__), "tuned.json")
+
+
 def _table(N: int, K: int, fmt: str) -> dict | None:
-    path = os.environ.get("LINRNN_SKINNY_TABLE")
+    path = os.environ.get("LINRNN_SKINNY_TABLE") or (TUNED if os.path.exists(TUNED) else None)
     if not path:
         return None
-    return _load_table(path).get(f"{N},{K},{fmt}")
+    table = _load_table(path)
+    return table.get("router") if fmt == "router" else table.get(f"{N},{K},{fmt}")
 
 
 def _table_entry(N: int, K: int, fmt: str, M: int) -> SkinnyConfig | None:
@@ -110,8 +132,12 @@ def skinny_enabled(M: int, N: int, K: int, fmt: str) -> bool:
     return 1 <= M <= limit
 
 
-def fused_router_enabled() -> bool:
-    return os.environ.get("LINRNN_FUSED_ROUTER", "0") != "0"
+def fused_router_enabled(M: int = 1) -> bool:
+    """Whether the router of an M-row batch runs as the one fused kernel (router_fused.py)."""
+    if os.environ.get("LINRNN_FUSED_ROUTER", "0") == "0":
+        return False
+    t = _table(0, 0, "router")
+    return M <= (int(t["max_m"]) if t is not None and "max_m" in t else MAX_M)
 
 
 def pdl_available(device) -> bool:

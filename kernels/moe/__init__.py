@@ -41,19 +41,22 @@ def route(router_logits, top_k: int, renormalize: bool):
     return naive.route(router_logits, top_k, renormalize)
 
 
-def route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, shared_w13=None):
+def route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, shared_w13=None, experts_w=None):
+    """experts_w: the routed experts' (w13, w2), so the fused router aligns for the block size the expert
+    kernels will use (else expert_block_m's)."""
     from linrnn_kernels.gemv import config as gemv_config
     from linrnn_kernels.gemv import fused_linear
 
     M = x.shape[0]
-    if (use_triton(x) and gemv_config.fused_router_enabled() and gate_w.fmt == "dense" and 1 <= M <= 32
+    if (use_triton(x) and gemv_config.fused_router_enabled(M) and gate_w.fmt == "dense" and 1 <= M <= 32
             and M * top_k <= 512 and num_experts <= 1024):
         from linrnn_kernels.moe import experts, router_fused
 
-        block_m = experts.expert_block_m(M, top_k, num_experts)
+        block_m = (experts.alignment_block_m(x, top_k, *experts_w) if experts_w is not None
+                   else experts.expert_block_m(M, top_k, num_experts))
         shared = shared_w13 if shared_w13 is not None and shared_w13.fmt == "dense" else None
         n_all = gate_w.out_features + (shared.out_features // 2 if shared is not None else 0)
-        cfg = gemv_config.skinny_config(M, n_all, gate_w.in_features, "dense", x.device)
+        cfg = gemv_config.router_config(M, n_all, gate_w.in_features, x.device)
         logits, w, ids, (sorted_ids, expert_ids, num_padded), h = router_fused.route_align(
             x, gate_w, num_experts, top_k, renormalize, block_m, cfg, shared_w13=shared)
         return logits, w, ids, experts.Alignment(sorted_ids, expert_ids, num_padded, block_m), h

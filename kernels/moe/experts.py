@@ -112,8 +112,7 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
         return out
     x = x.contiguous()
     P = T * top_k
-    if (configs is None and nvfp4_path is None and w13.packed is not None and w2.packed is not None
-            and P <= MMA_MAX_MEAN_PAIRS * E and x.dtype == torch.bfloat16 and nvfp4_mma.available(x.device)):
+    if configs is None and nvfp4_path is None and _mma_decode(x, P, E, w13, w2):
         return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out, alignment=alignment)
     cfg13, cfg2 = configs or moe_configs(T, top_k, E, inter, H, w13.fmt, w2.fmt, x.device)
     if cfg13.block_m != cfg2.block_m:
@@ -140,6 +139,21 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     gg.launch_gemm(h, w2, part, cfg2, n=H, k=inter, route_weights=route_w, **common)
     gg.sum_reduce(part, out, group=top_k)
     return out
+
+
+def _mma_decode(x: torch.Tensor, num_pairs: int, num_experts: int, w13: WeightTensor, w2: WeightTensor) -> bool:
+    """Whether this batch runs on the MMA-fragment decode kernel (repacked NVFP4 weights, Hopper)."""
+    return (w13.packed is not None and w2.packed is not None and num_pairs <= MMA_MAX_MEAN_PAIRS * num_experts
+            and x.dtype == torch.bfloat16 and nvfp4_mma.available(x.device))
+
+
+def alignment_block_m(x: torch.Tensor, top_k: int, w13: WeightTensor, w2: WeightTensor) -> int:
+    """The block_m moe_experts (default configs) aligns this batch's pairs to: a router that aligns
+    ahead of time (router_fused) uses it, so the experts reuse its alignment instead of redoing it."""
+    T, E = x.shape[0], w13.data.shape[0]
+    if _mma_decode(x, T * top_k, E, w13, w2):
+        return mma_tokens(T * top_k, E)
+    return expert_block_m(T, top_k, E)
 
 
 def mma_tokens(num_pairs: int, num_experts: int) -> int:

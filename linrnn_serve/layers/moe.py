@@ -111,8 +111,9 @@ class SparseMoE(nn.Module):
         the next norm)."""
         # the routing weights come back in the activation dtype (transformers casts them before use)
         shared_w13 = self.shared_expert.gate_up_proj.weight_tensor() if self.has_shared else None
+        experts_w = None if self.partitioned else (self.experts.w13.weight_tensor(), self.experts.w2.weight_tensor())
         logits, topk_w, topk_ids, alignment, h = moe_ops.route_align(
-            x, self.gate.weight_tensor(), self.num_experts, self.top_k, self.renormalize, shared_w13)
+            x, self.gate.weight_tensor(), self.num_experts, self.top_k, self.renormalize, shared_w13, experts_w)
         if self.partitioned:  # the alignment is of the global ids: the experts re-align the local ones
             topk_w, topk_ids = self._local_routes(topk_w, topk_ids)
             alignment = None
