@@ -174,7 +174,7 @@ from linrnn_kernels.gemv import skinny
 fn = skinny._skinny_gemm_kernel
 for (pro, epi, res, norm, dot, split, bm, pdl) in [(0, 0, 0, 0, 0, 4, 1, 0), (2, 0, 1, 1, 0, 2, 1, 1),
                                                     (0, 1, 0, 0, 1, 2, 16, 0), (3, 2, 1, 1, 1, 1, 32, 1)]:
-    cex = dict(PRO=pro, EPI=epi, HAS_RES=res, ROW_NORM=norm, HAS_SCALE=0, HEAD=128, SPLIT=split > 1, USE_DOT=dot,
+    cex = dict(PRO=pro, EPI=epi, HAS_RES=res, ROW_NORM=norm, HAS_SCALE=0, HEAD=128, SPLIT_MAX=split, USE_DOT=dot, RM=bm, KCP=4, KC=4,
                COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=16 if dot else 32, BLOCK_K=256 if bm == 1 else 128,
                BLOCK_R=1024, EVEN_K=1, PDL=pdl)
     sig, consts, attrs = {}, {}, {}
@@ -201,7 +201,7 @@ for (pro, epi, res, norm, dot, split, bm, pdl) in [(0, 0, 0, 0, 0, 4, 1, 0), (2,
 from linrnn_kernels.moe import router_fused
 fn = router_fused._router_kernel
 for dot, bm in [(0, 1), (1, 32)]:
-    cex = dict(HAS_SHARED=dot == 0, TOP_K=8, RENORMALIZE=1, SPLIT=1, USE_DOT=dot, COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=16,
+    cex = dict(HAS_SHARED=dot == 0, TOP_K=8, RENORMALIZE=1, SPLIT_MAX=4, USE_DOT=dot, COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=16,
                BLOCK_K=256 if bm == 1 else 128, BLOCK_E=256, BLOCK_TOPK=8, BLOCK_M_ALIGN=16, BLOCK_P=max(16, bm * 8),
                BLOCK_B=32, EVEN_K=1, PDL=1)
     sig, consts, attrs = {}, {}, {}

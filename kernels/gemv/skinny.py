@@ -164,23 +164,26 @@ def _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n,
 def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
             nw_ptr, y_ptr, sy, tick_ptr, sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
             EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, ACT: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, ACT: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr):
     mask = m_ok[:, None] & n_ok[None, :]
     y = _round(acc, ACT)
     if EPI == 3:  # causal conv1d + SiLU (GDN decode) on the first CC columns; conv state shifted in place
         c_ok = n_ok & (offs_n < CC)
-        cmask = m_ok[:, None] & c_ok[None, :]
         slot = tl.load(idx_ptr + rows, mask=m_ok, other=0).to(tl.int64)
-        p = cs_ptr + slot[:, None] * s_slot + offs_n[None, :]
-        conv = tl.zeros((BLOCK_M, y.shape[1]), tl.float32)
-        for j in tl.static_range(KC - 1):
-            xj = tl.load(p + j * CC, mask=cmask, other=0.0)
-            wj = tl.load(cw_ptr + offs_n * KC + j, mask=c_ok, other=0.0).to(tl.float32)
-            conv += xj.to(ACT).to(tl.float32) * wj[None, :]
-            if j > 0:  # row j moves to row j - 1 (each live row owns its slot)
-                tl.store(p + (j - 1) * CC, xj, mask=cmask)
+        jj = tl.arange(0, KCP)  # state rows 0 .. KC - 2 (padded to a power of two)
+        j_ok = jj < KC - 1
+        p3 = cs_ptr + slot[:, None, None] * s_slot + jj[None, :, None] * CC + offs_n[None, None, :]
+        m3 = m_ok[:, None, None] & j_ok[None, :, None] & c_ok[None, None, :]
+        xs = tl.load(p3, mask=m3, other=0.0)
+        wj = tl.load(cw_ptr + offs_n[None, :] * KC + jj[:, None], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
+        conv = tl.sum(xs.to(ACT).to(tl.float32) * wj.to(tl.float32)[None, :, :], axis=1)
         conv += y * tl.load(cw_ptr + offs_n * KC + (KC - 1), mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(p + (KC - 2) * CC, y.to(cs_ptr.dtype.element_ty), mask=cmask)
+        # every thread has read the state before any thread shifts it (layouts may replicate elements
+        # over threads: a shift racing a replica's read was seen on the H200)
+        tl.debug_barrier()
+        tl.store(p3 - CC, xs, mask=m3 & (jj >= 1)[None, :, None])  # row j moves to row j - 1
+        tl.store(cs_ptr + slot[:, None] * s_slot + (KC - 2) * CC + offs_n[None, :], y.to(cs_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & c_ok[None, :])
         y = tl.where(c_ok[None, :], _round(conv / (1.0 + tl.exp(-conv)), ACT), y)
     if EPI == 1:
         u = _round(acc_u, ACT)
@@ -208,22 +211,27 @@ def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl
                 part = tl.load(sumsq_ptr + (t0 + offs_t)[:, None] * BLOCK_M + rows[None, :],
                                mask=(t0 + offs_t < n_tiles)[:, None], other=0.0, cache_modifier=".cg")
                 ss += tl.sum(part, axis=0)
+            # the pass runs on the live rows only (RM <= BLOCK_M: dots pad the tile rows to 16) in wide chunks:
+            # each chunk is a dependent round trip to L2
             rstd = 1.0 / tl.sqrt(ss / N + norm_eps)
+            rr = tl.arange(0, RM)
+            rstd_r = tl.sum(tl.where(rows[None, :] == rr[:, None], rstd[None, :], 0.0), axis=1)
+            r_ok = rr < M
             cols = tl.arange(0, BLOCK_R)
             for c0 in range(0, N, BLOCK_R):
                 c_ok = c0 + cols < N
-                cm = m_ok[:, None] & c_ok[None, :]
-                h = tl.load(out_ptr + rows[:, None] * so + (c0 + cols)[None, :], mask=cm, other=0.0,
+                cm = r_ok[:, None] & c_ok[None, :]
+                h = tl.load(out_ptr + rr[:, None] * so + (c0 + cols)[None, :], mask=cm, other=0.0,
                             cache_modifier=".cg").to(tl.float32)
                 w = tl.load(nw_ptr + c0 + cols, mask=c_ok, other=0.0).to(tl.float32)
-                tl.store(y_ptr + rows[:, None] * sy + (c0 + cols)[None, :],
-                         (h * rstd[:, None] * (1.0 + w[None, :])).to(ACT), mask=cm)
+                tl.store(y_ptr + rr[:, None] * sy + (c0 + cols)[None, :],
+                         (h * rstd_r[:, None] * (1.0 + w[None, :])).to(ACT), mask=cm)
             tl.store(tick_ptr + n_tiles, 0)
 
 
 @triton.jit
 def _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n, pid_k, n_split, N,
-                  GATED: tl.constexpr, BLOCK_M: tl.constexpr):
+                  GATED: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_MAX: tl.constexpr):
     """Split-K: store this program's partials [n_split, (2,) BLOCK_M, N] f32, take the tile's ticket; the last
     program of the tile gets (True, the sum over splits in split order 0, 1, ...: bit-reproducible)."""
     W2: tl.constexpr = 2 if GATED else 1
@@ -240,10 +248,11 @@ def _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n,
         tl.debug_barrier()
         acc = tl.zeros((BLOCK_M, acc.shape[1]), tl.float32)
         acc_u = tl.zeros((BLOCK_M, acc.shape[1]), tl.float32)
-        for s in range(0, n_split):  # fixed order
-            acc += tl.load(part + s * split_stride, mask=pmask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(SPLIT_MAX):  # fixed order; unrolled so every partial's load is in flight at once
+            s_ok = pmask & (tl.full((BLOCK_M, 1), s, tl.int32) < n_split)
+            acc += tl.load(part + s * split_stride, mask=s_ok, other=0.0, cache_modifier=".cg")
             if GATED:
-                acc_u += tl.load(part + s * split_stride + BLOCK_M * N, mask=pmask, other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(part + s * split_stride + BLOCK_M * N, mask=s_ok, other=0.0, cache_modifier=".cg")
         tl.store(tick_ptr + pid_n, 0)
     return last, acc, acc_u
 
@@ -256,9 +265,9 @@ def _skinny_program(
         out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
         M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
         PRO: tl.constexpr, EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
-        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
         COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr):
+        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr):
     """Program (pid_n, pid_k) of an n_tiles x n_split grid (the fused router runs the shared expert's gate_up
     tiles through it too, with its own tickets)."""
     ACT: tl.constexpr = x_ptr.dtype.element_ty
@@ -286,13 +295,13 @@ def _skinny_program(
         if EPI == 1:
             acc_u = acc_u * tl.load(rs_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
     last = True
-    if SPLIT:
+    if SPLIT_MAX > 1:
         last, acc, acc_u = _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n, pid_k,
-                                         n_split, N, EPI == 1, BLOCK_M)
+                                         n_split, N, EPI == 1, BLOCK_M, SPLIT_MAX)
     if last:
         _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
                 nw_ptr, y_ptr, sy, tick_ptr, sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr,
-                CC, EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT)
+                CC, EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT, RM, KCP)
 
 
 @triton.jit
@@ -302,9 +311,9 @@ def _skinny_gemm_kernel(
         out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
         M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
         PRO: tl.constexpr, EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
-        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+        HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
         COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if PDL:  # let the next kernel launch; pull this program's weights into L2 while the previous one ends
@@ -317,8 +326,8 @@ def _skinny_gemm_kernel(
                     x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rs_ptr, ws_ptr, tick_ptr, sumsq_ptr,
                     out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
                     M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
-                    PRO, EPI, HAS_RES, ROW_NORM, KC, HAS_SCALE, HEAD, SPLIT, USE_DOT, COMPUTE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K)
+                    PRO, EPI, HAS_RES, ROW_NORM, KC, HAS_SCALE, HEAD, SPLIT_MAX, USE_DOT, COMPUTE,
+                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, RM, KCP)
 
 
 _tickets: dict[torch.device, torch.Tensor] = {}
@@ -344,9 +353,9 @@ def _compute_dtype(x: torch.Tensor):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
 
 
-def row_block(block_m: int, n: int) -> int:
-    """Columns per step of the row-norm pass: ~4096 elements of [BLOCK_M, BLOCK_R] (32 per thread)."""
-    return max(16, min(triton.next_power_of_2(n), 4096 // block_m))
+def row_block(rows: int, n: int) -> int:
+    """Columns per step of the row-norm pass: up to 8192 elements of [rows, BLOCK_R] (64 per thread)."""
+    return max(16, min(triton.next_power_of_2(n), 8192 // rows))
 
 
 def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=None, pro_w=None, head: int = 0,
@@ -387,6 +396,7 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
     wide = 2 if epilogue == "silu_mul" else 1
     ws = torch.empty(split * wide * block_m * N if split > 1 else 1, dtype=torch.float32, device=dev)
     ss = torch.empty(n_tiles * block_m if norm_w is not None else 1, dtype=torch.float32, device=dev)
+    rm = triton.next_power_of_2(M)  # rows of the row-norm pass
     dummy = x
     g = gate if gate is not None else dummy
     # gate: [M, K], or a per-head strided view [M, K // head, head] (attention's [q | gate] interleave)
@@ -419,8 +429,8 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
         norm_w if norm_w is not None else dummy, y, y.stride(0),
         M, N, K, k_per, pro_eps, norm_eps, cw, cs, cs.stride(0) if epilogue == "conv" else 0, idx, CC,
         PRO=PROLOGUES[prologue_kind], EPI=EPILOGUES[epilogue], HAS_RES=residual is not None, KC=KC,
-        ROW_NORM=norm_w is not None, HAS_SCALE=w.row_scale is not None, HEAD=max(head, 1), SPLIT=split > 1,
+        ROW_NORM=norm_w is not None, HAS_SCALE=w.row_scale is not None, HEAD=max(head, 1), SPLIT_MAX=triton.next_power_of_2(split),
         USE_DOT=cfg.use_dot, COMPUTE=_compute_dtype(x), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_R=row_block(block_m, N), EVEN_K=K % cfg.block_k == 0,
+        BLOCK_R=row_block(rm, N), EVEN_K=K % cfg.block_k == 0, RM=rm, KCP=triton.next_power_of_2(max(KC - 1, 1)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(x))
     return (y, out) if norm_w is not None else out

@@ -24,11 +24,17 @@ def softmax_topk(logits, row_ok, col, TOP_K: tl.constexpr, RENORMALIZE: tl.const
     slot = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((logits.shape[0], BLOCK_K), tl.float32)
     top_i = tl.zeros((logits.shape[0], BLOCK_K), tl.int32)
+    # one max-reduction per round on a packed key: the probability's bits (p >= 0, so its int32 bits order
+    # as the floats do; a removed winner's -1 orders below every p) above the inverted expert index (ties
+    # pick the lowest index)
+    top: tl.constexpr = logits.shape[1] - 1
+    inv = (col * -1 + top).to(tl.int64)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(p, axis=1, tie_break_left=True)
-        best_p = tl.max(p, axis=1)
+        key = tl.max((p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | inv[None, :], axis=1)
+        best = ((key & 0xFFFFFFFF) * -1 + top).to(tl.int32)
+        best_p = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         top_w = tl.where(slot[None, :] == j, best_p[:, None], top_w)
-        top_i = tl.where(slot[None, :] == j, best[:, None].to(tl.int32), top_i)
+        top_i = tl.where(slot[None, :] == j, best[:, None], top_i)
         # probabilities are >= 0 and padded experts are 0, so -1 removes the winner for good
         p = tl.where(col[None, :] == best[:, None], -1.0, p)
     if RENORMALIZE:

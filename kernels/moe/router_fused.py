@@ -93,7 +93,7 @@ def _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr
 def _router_program(pid_n, pid_k, n_tiles, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                     tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                     M, NL, K, K_PER, E, max_blocks,
-                    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+                    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
                     COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr):
@@ -107,9 +107,9 @@ def _router_program(pid_n, pid_k, n_tiles, n_split, x_ptr, sx, w_ptr, sw, ws_ptr
                             tl.minimum(k_lo + K_PER, K), NL, tl.zeros((BLOCK_M,), tl.float32), 0.0, 0, False, 1,
                             USE_DOT, COMPUTE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     tile_done = True
-    if SPLIT:
+    if SPLIT_MAX > 1:
         tile_done, acc, acc_u = _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n, pid_k,
-                                              n_split, NL, False, BLOCK_M)
+                                              n_split, NL, False, BLOCK_M, SPLIT_MAX)
     if tile_done:
         tl.store(lg_ptr + rows[:, None] * slg + offs_n[None, :], _round(acc, ACT).to(ACT),
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -129,7 +129,7 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                    tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                    w13_ptr, sw13, h_ptr, sh, ws13_ptr,
                    M, NL, K, K_PER, E, max_blocks, NI, n_tiles_r,
-                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
                    COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
@@ -147,18 +147,18 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                             x_ptr, sx, x_ptr, 0, 1, x_ptr, w13_ptr, sw13, ws13_ptr, ws13_ptr,
                             tick_ptr + n_tiles_r + 1, ws13_ptr, h_ptr, sh, x_ptr, 0, x_ptr, 0, x_ptr, 0, x_ptr, x_ptr, 0,
                             M, NI, K, K_PER, 0.0, 0.0, x_ptr, x_ptr, 0, x_ptr, 0,
-                            0, 1, False, False, 2, False, 1, SPLIT, USE_DOT, COMPUTE,
-                            BLOCK_M, BLOCK_N, BLOCK_K, 16, EVEN_K)
+                            0, 1, False, False, 2, False, 1, SPLIT_MAX, USE_DOT, COMPUTE,
+                            BLOCK_M, BLOCK_N, BLOCK_K, 16, EVEN_K, 1, 1)
         else:
             _router_program(pid_n, pid_k, n_tiles_r, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                             tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
-                            M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT, USE_DOT, COMPUTE,
+                            M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_MAX, USE_DOT, COMPUTE,
                             BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
                             EVEN_K)
     else:
         _router_program(pid_n, pid_k, n_tiles_r, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                         tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
-                        M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT, USE_DOT, COMPUTE,
+                        M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_MAX, USE_DOT, COMPUTE,
                         BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
                         EVEN_K)
 
@@ -219,7 +219,7 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
             topk_w, topk_ids, starts, sorted_ids, expert_ids, num_padded,
             w13, sw13, h if h is not None else x, h.stride(0) if h is not None else 0, ws13,
             M, NL, K, k_per, E, max_blocks, NI, n_tiles,
-            TOP_K=top_k, RENORMALIZE=bool(renormalize), SPLIT=split > 1, USE_DOT=cfg.use_dot,
+            TOP_K=top_k, RENORMALIZE=bool(renormalize), SPLIT_MAX=triton.next_power_of_2(split), USE_DOT=cfg.use_dot,
             COMPUTE=_compute_dtype(x), BLOCK_M=block_mm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, EVEN_K=K % cfg.block_k == 0,
