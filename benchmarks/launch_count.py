@@ -97,6 +97,10 @@ def count_decode_launches(cfg, npl: int, dtype=torch.bfloat16, quant="auto") -> 
     caches = ModelCaches(HybridStateCache(cfg, npl + 1, dtype, meta), PagedKVCache(cfg, 4 * npl + 1, block_size, dtype, meta))
     runner = ModelRunner(model, caches, max_num_seqs=npl, max_model_len=64, block_size=block_size,
                          enforce_eager=True, progress=False)
+    # one uncounted pass first: modules imported lazily on the first call build their tables at import
+    # (nvfp4_layout's scale codes), which is no per-step work
+    with torch.inference_mode(), triton_on("meta"), _intercept_triton(collections.Counter()):
+        runner._decode_forward(npl)
     counts: collections.Counter = collections.Counter()
     with torch.inference_mode(), triton_on("meta"), _intercept_triton(counts), _OpCounter(counts):
         runner._decode_forward(npl)

@@ -44,6 +44,11 @@ class Case:
     kind: str  # plain | conv | gated | sigmoid | gate_add | router
 
 
+# the fusion each case's call site tunes by (kernels/gemv fusion_kind)
+FUSION = {"plain": "", "conv": "conv", "gated": "gated_norm", "sigmoid": "sigmoid_gate", "gate_add": "gate_add",
+          "router": ""}
+
+
 def cases(cfg) -> list[Case]:
     H = cfg.hidden_size
     return [Case("gdn.in_proj", cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads, H, 30, "conv"),
@@ -213,6 +218,23 @@ def weight_bytes(case: Case, cfg) -> int:
     return b
 
 
+def table_from_rows(rows: list[dict]) -> dict:
+    """Per table key: the fastest config per M, and max_m = the largest M up to which the fused call beat
+    the best unfused alternative (the chain; cuBLAS alone for a plain projection) at every M."""
+    table: dict = {}
+    for r in sorted(rows, key=lambda r: (r["key"], r["M"])):
+        e = table.setdefault(r["key"], {"max_m": 0, "_winning": True})
+        e[str(r["M"])] = r["best_config"]
+        alt = min(r["chain_us"], r["cublas_us"]) if r["plain"] else r["chain_us"]
+        if e["_winning"] and r["fused_us"] < alt:
+            e["max_m"] = r["M"]
+        else:
+            e["_winning"] = False
+    for e in table.values():
+        e.pop("_winning")
+    return table
+
+
 def _jobs(cfg, ms, only):
     jobs = []
     for ci, case in enumerate(cases(cfg)):
@@ -277,7 +299,7 @@ def run(args) -> dict:
     for f in failed[:20]:
         print("  compile/run failure:", f, flush=True)
     copy = copy_bandwidth_gbs(dev)
-    rows, table = [], {}
+    rows = []
     by_case: dict = {}
     for ci, M, c in jobs:
         by_case.setdefault((ci, M), []).append(c)
@@ -285,13 +307,15 @@ def run(args) -> dict:
         if only and case.name not in only:
             continue
         wbytes = weight_bytes(case, cfg)
-        key = "router" if case.kind == "router" else f"{n_out(case, cfg)},{case.K},dense"
+        key = gcfg.table_key(n_out(case, cfg), case.K, "router" if case.kind == "router" else "dense",
+                             FUSION[case.kind])
         for M in ms:
             inp = Inputs(case, cfg, M, dev, _copies(case, cfg))
             n = len(inp.ws)
             t_chain = time_graph([lambda i=i: inp.chain(i) for i in range(n)], iters=args.iters)
             t_cublas = time_graph([lambda i=i: F.linear(inp.x, inp.ws[i].data) for i in range(n)], iters=args.iters)
-            default = (gcfg.skinny_config(M, n_out(case, cfg), case.K, "dense", dev, inp.kw.get("head", 0))
+            default = (gcfg.skinny_config(M, n_out(case, cfg), case.K, "dense", dev, inp.kw.get("head", 0),
+                                          FUSION[case.kind])
                        if case.kind != "router" else gcfg.router_config(M, n_out(case, cfg), case.K, dev))
             results = []
             for c in by_case.get((ci, M), []) + [default]:
@@ -310,7 +334,8 @@ def run(args) -> dict:
             t_best, c_best, _ = min(results, key=lambda r: r[0])
             t_def = next((r[0] for r in results if r[2]), float("nan"))
             gbs = wbytes / (t_best * 1e-3) / 1e9
-            row = {"case": case.name, "N": case.rows, "K": case.K, "M": M, "calls": case.calls,
+            row = {"case": case.name, "key": key, "plain": case.kind == "plain", "N": case.rows, "K": case.K, "M": M,
+                   "calls": case.calls,
                    "chain_us": 1e3 * t_chain, "cublas_us": 1e3 * t_cublas, "fused_us": 1e3 * t_best,
                    "default_us": 1e3 * t_def, "fused_GBs": gbs, "pct_copy": 100 * gbs / copy,
                    "cublas_pct_copy": 100 * wbytes / (t_cublas * 1e-3) / 1e9 / copy,
@@ -322,16 +347,9 @@ def run(args) -> dict:
                   f"fused {row['fused_us']:7.1f} (default {row['default_us']:7.1f}) us  {row['pct_copy']:5.1f}% copy "
                   f"(cuBLAS {row['cublas_pct_copy']:5.1f}%)  {row['vs_chain']:.2f}x chain  {c_best.astuple()}",
                   flush=True)
-            entry = table.setdefault(key, {"max_m": 0, "_winning": True})
-            entry[str(M)] = c_best.astuple()
-            if entry["_winning"] and t_best < t_chain:
-                entry["max_m"] = M
-            else:
-                entry["_winning"] = False
             del inp
             torch.cuda.empty_cache()
-    for e in table.values():
-        e.pop("_winning", None)
+    table = table_from_rows(rows)
     res = {"env": env_info(model=args.model), "copy_GBs": copy, "rows": rows, "table": table,
            "compile_failures": failed}
     os.makedirs(args.out, exist_ok=True)
@@ -369,8 +387,31 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     p.add_argument("--out", default="benchmarks/results/kernels/gemv")
-    run(p.parse_args(argv))
+    p.add_argument("--table-from", default=None, metavar="GEMV_JSON",
+                   help="only rebuild skinny_table.json (current keys) from an earlier run's gemv.json")
+    args = p.parse_args(argv)
+    if args.table_from:
+        rows = json.load(open(args.table_from))["rows"]
+        for r in rows:  # runs before the fusion-keyed table: derive key / plain from the case
+            kind = {c.name: c.kind for c in cases(_shape_cfg(args.model))}[r["case"]]
+            r.setdefault("plain", kind == "plain")
+            if "key" not in r:
+                from linrnn_kernels.gemv.config import table_key
+
+                n = r["N"] + (_shape_cfg(args.model).shared_expert_intermediate_size if kind == "router" else 0)
+                r["key"] = table_key(n, r["K"], "router" if kind == "router" else "dense", FUSION[kind])
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "skinny_table.json"), "w") as f:
+            json.dump(table_from_rows(rows), f, indent=1)
+        return 0
+    run(args)
     return 0
+
+
+def _shape_cfg(model: str):
+    from linrnn_serve.presets import resolve_model
+
+    return resolve_model(model, "dummy").cfg
 
 
 if __name__ == "__main__":

@@ -26,7 +26,13 @@ __all__ = ["fused_linear", "takes", "config", "naive"]
 def takes(x: torch.Tensor, w: WeightTensor, epilogue: str = "none") -> bool:
     """Whether fused_linear runs the skinny kernel for this input (else the unfused chain): layers ask
     before using an epilogue with no unfused twin here (the GDN in_proj's conv)."""
-    return use_triton(x) and config.skinny_enabled(x.shape[0], _out_features(w, epilogue), x.shape[1], w.fmt)
+    return use_triton(x) and config.skinny_enabled(x.shape[0], _out_features(w, epilogue), x.shape[1], w.fmt,
+                                                   fusion_kind("none", epilogue))
+
+
+def fusion_kind(prologue_kind: str, epilogue: str) -> str:
+    """The fusion a call is tuned by (config.table_key): its prologue, else its epilogue."""
+    return prologue_kind if prologue_kind != "none" else epilogue
 
 
 def _out_features(w: WeightTensor, epilogue: str) -> int:
@@ -37,10 +43,11 @@ def fused_linear(x: torch.Tensor, w: WeightTensor, *, prologue_kind: str = "none
                  head: int = 0, pro_eps: float = 1e-6, epilogue: str = "none", addend=None, gate_logit=None,
                  residual=None, norm_w=None, norm_eps: float = 1e-6, conv=None):
     M, K = x.shape
-    if use_triton(x) and config.skinny_enabled(M, _out_features(w, epilogue), K, w.fmt):
+    kind = fusion_kind(prologue_kind, epilogue)
+    if use_triton(x) and config.skinny_enabled(M, _out_features(w, epilogue), K, w.fmt, kind):
         from linrnn_kernels.gemv import skinny
 
-        cfg = config.skinny_config(M, _out_features(w, epilogue), K, w.fmt, x.device, head)
+        cfg = config.skinny_config(M, _out_features(w, epilogue), K, w.fmt, x.device, head, kind)
         return skinny.skinny_linear(x, w, cfg, prologue_kind=prologue_kind, gate=gate, pro_w=pro_w, head=head,
                                     pro_eps=pro_eps, epilogue=epilogue, addend=addend, gate_logit=gate_logit,
                                     residual=residual, norm_w=norm_w, norm_eps=norm_eps, conv=conv)

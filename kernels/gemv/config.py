@@ -1,23 +1,25 @@
 """The tuning knobs of the small-batch decode kernels, in one place.
 
 Switches (environment, read per call so a benchmark can flip them without code changes). The fusions are
-OFF by default: on the H200 (35B-A3B NVFP4 dummy, 5649a3a, benchmarks/results/batched/small_fused_ab/) they
-measured 4.37 / 8.94 ms per step at npl 1 / 8 against 4.09 / 5.47 ms unfused in the same run (444 vs 945
-launches per step): fewer launches, but slower kernels, until the per-shape table says where they win.
-  LINRNN_SKINNY_GEMM=1            use the skinny GEMM and the fused prologues / epilogues (default 0: every
-                                  projection goes to cuBLAS and every fusion runs as its unfused chain)
+ON by default: on the H200 (35B-A3B NVFP4 dummy, benchmarks/results/batched/small_fused_ab/) they measured
+faster than the unfused kernels at npl 1 and 8, and they stand aside where the measured table says the
+unfused chain is faster (every projection above its max_m, every batch above 32 rows).
+  LINRNN_SKINNY_GEMM=0            every projection to cuBLAS and every fusion as its unfused chain (default 1:
+                                  the skinny GEMM with the fused prologues / epilogues where the table says so)
   LINRNN_SKINNY_MAX_M=N           largest batch (rows) sent to the skinny GEMM (default 32)
-  LINRNN_SKINNY_TABLE=path.json   per-shape overrides, as written by tools/gpu_small.sh:
-                                  {"N,K,fmt": {"max_m": 8, "1": [block_n, block_k, split_k, warps, stages, dot], ...}}
-                                  (max_m: the largest M where the kernel beat cuBLAS; 0 = off for that shape)
-  LINRNN_FUSED_ROUTER=1           the router's gate GEMM, softmax / top-k and expert alignment in one launch
-                                  (default 0: separate kernels)
+  LINRNN_SKINNY_TABLE=path.json   the per-projection table to use instead of kernels/gemv/tuned.json (measured
+                                  on the H200 by tools/gpu_small_ab.sh); `bench kernels --only gemv` writes one:
+                                  {"N,K,fmt[,fusion]": {"max_m": 8, "1": [block_n, block_k, split_k, warps,
+                                  stages, dot], ...}, "router": {...}}; max_m: the largest M where the fused call
+                                  beat the unfused chain (0 = never)
+  LINRNN_FUSED_ROUTER=0           the router's gate GEMM, softmax / top-k and expert alignment as separate
+                                  kernels (default 1: one launch, with the shared expert's gate_up, up to the
+                                  table's router max_m)
   LINRNN_PDL=1                    programmatic dependent launch for these kernels (sm_90+, default off
                                   until measured)
 
-`skinny_config(M, N, K, fmt, device)` is the default table: enough programs (N tiles x K splits) to
-put ~2 per SM on the GPU, 16-byte weight loads (block_k a multiple of 8 bf16 / 16 fp8 elements),
-tensor-core dots from 8 rows up (rows padded to 16), FMA reductions below.
+`skinny_config(M, N, K, fmt, device)`: the table's config, else a default: FMA up to 4 rows, tensor-core dots
+(rows padded to 16) above; enough programs (N tiles x K splits) for ~4 / ~2 per SM; 16-byte weight loads.
 """
 from __future__ import annotations
 
@@ -65,13 +67,13 @@ def split_for(N: int, K: int, block_n: int, block_k: int, target: int) -> int:
     return split
 
 
-def skinny_config(M: int, N: int, K: int, fmt: str, device, head: int = 0) -> SkinnyConfig:
+def skinny_config(M: int, N: int, K: int, fmt: str, device, head: int = 0, kind: str = "") -> SkinnyConfig:
     """Config for an [M, K] x [N, K]^T projection (N output columns; the gated epilogue reads 2N weight
     rows): the measured table's entry for (N, K, fmt) when there is one, else the default below.
     `head`: the gated-norm prologue needs block_k to be a multiple of it.
     Default: FMA up to 4 rows ([M, block_n, block_k] products held in registers, <= 64 per thread, about 4
     programs per SM); tensor-core dots (rows padded to 16) from 8 rows, about 2 programs per SM."""
-    over = _table_entry(N, K, fmt, M)
+    over = _table_entry(N, K, fmt, M, kind)
     if over is not None and (not head or over.block_k % head == 0):
         return over
     sms = _num_sms(device)
@@ -102,16 +104,21 @@ def _load_table(path: str) -> dict:
 TUNED = os.path.join(os.path.dirname(__file__), "tuned.json")
 
 
-def _table(N: int, K: int, fmt: str) -> dict | None:
+def table_key(N: int, K: int, fmt: str, kind: str = "") -> str:
+    """Key of a projection in the measured table: its shape, weight format and fusion (the prologue, or else
+    the epilogue, that the call site fuses: "gated_norm", "sigmoid_gate", "conv", "gate_add", ...)."""
+    return "router" if fmt == "router" else f"{N},{K},{fmt}" + (f",{kind}" if kind and kind != "none" else "")
+
+
+def _table(N: int, K: int, fmt: str, kind: str = "") -> dict | None:
     path = os.environ.get("LINRNN_SKINNY_TABLE") or (TUNED if os.path.exists(TUNED) else None)
     if not path:
         return None
-    table = _load_table(path)
-    return table.get("router") if fmt == "router" else table.get(f"{N},{K},{fmt}")
+    return _load_table(path).get(table_key(N, K, fmt, kind))
 
 
-def _table_entry(N: int, K: int, fmt: str, M: int) -> SkinnyConfig | None:
-    t = _table(N, K, fmt)
+def _table_entry(N: int, K: int, fmt: str, M: int, kind: str = "") -> SkinnyConfig | None:
+    t = _table(N, K, fmt, kind)
     if not t:
         return None
     for m, spec in sorted(((int(k), v) for k, v in t.items() if k.isdigit()), key=lambda kv: kv[0]):
@@ -121,12 +128,13 @@ def _table_entry(N: int, K: int, fmt: str, M: int) -> SkinnyConfig | None:
     return None
 
 
-def skinny_enabled(M: int, N: int, K: int, fmt: str) -> bool:
-    """Whether a projection of M rows goes to the skinny GEMM (else cuBLAS / the unfused chain)."""
-    if os.environ.get("LINRNN_SKINNY_GEMM", "0") == "0" or fmt not in ("dense", "fp8"):
+def skinny_enabled(M: int, N: int, K: int, fmt: str, kind: str = "") -> bool:
+    """Whether a projection of M rows goes to the skinny GEMM (else cuBLAS / the unfused chain); `kind`: the
+    fusion of the call (table_key)."""
+    if os.environ.get("LINRNN_SKINNY_GEMM", "1") == "0" or fmt not in ("dense", "fp8"):
         return False
     limit = min(int(os.environ.get("LINRNN_SKINNY_MAX_M", MAX_M)), MAX_M)
-    t = _table(N, K, fmt)
+    t = _table(N, K, fmt, kind)
     if t is not None and "max_m" in t:
         limit = min(limit, int(t["max_m"]))
     return 1 <= M <= limit
@@ -134,7 +142,7 @@ def skinny_enabled(M: int, N: int, K: int, fmt: str) -> bool:
 
 def fused_router_enabled(M: int = 1) -> bool:
     """Whether the router of an M-row batch runs as the one fused kernel (router_fused.py)."""
-    if os.environ.get("LINRNN_FUSED_ROUTER", "0") == "0":
+    if os.environ.get("LINRNN_FUSED_ROUTER", "1") == "0":
         return False
     t = _table(0, 0, "router")
     return M <= (int(t["max_m"]) if t is not None and "max_m" in t else MAX_M)

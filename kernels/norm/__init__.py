@@ -33,13 +33,12 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps):
 
 
 def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache, slot_mapping):
-    """q/k norm + RoPE, k and v written to their KV-cache pages; returns q. One launch on CUDA with
-    LINRNN_FUSED_ROPE_KV=1; by default (off, see linrnn_kernels.gemv.config) qk_norm_rope and the attention
-    write_kv, two launches."""
+    """q/k norm + RoPE, k and v written to their KV-cache pages; returns q. One launch on CUDA (default;
+    LINRNN_FUSED_ROPE_KV=0: qk_norm_rope and the attention write_kv, two launches)."""
     import os
 
     if use_triton(q):
-        if os.environ.get("LINRNN_FUSED_ROPE_KV", "0") != "0":
+        if os.environ.get("LINRNN_FUSED_ROPE_KV", "1") != "0":
             from linrnn_kernels.norm.fused import qk_norm_rope_write_kv as kern
             return kern(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache, slot_mapping)
         from linrnn_kernels.attention import write_kv
