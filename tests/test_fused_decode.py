@@ -41,8 +41,10 @@ def _decode_logits(model, kernels: bool):
 
 @pytest.mark.parametrize("family,kw", [("qwen3_5_moe", {}),
                                        ("qwen3_next", {"mlp_only_layers": [1], "intermediate_size": 48})])
-@pytest.mark.parametrize("switches", [{"LINRNN_SKINNY_GEMM": "1", "LINRNN_FUSED_ROUTER": "1", "LINRNN_FUSED_ROPE_KV": "1"}, {"LINRNN_SKINNY_GEMM": "0", "LINRNN_FUSED_ROUTER": "0"}],
-                         ids=["fused", "unfused"])
+@pytest.mark.parametrize("switches", [{"LINRNN_SKINNY_GEMM": "1", "LINRNN_FUSED_ROUTER": "1", "LINRNN_FUSED_ROPE_KV": "1"},
+                                      {"LINRNN_FUSED_MOE_COMBINE": "1"},
+                                      {"LINRNN_SKINNY_GEMM": "0", "LINRNN_FUSED_ROUTER": "0"}],
+                         ids=["fused", "fused+combine", "unfused"])
 def test_decode_step_kernels_match_reference(tmp_path, monkeypatch, family, kw, switches):
     for k, v in switches.items():
         monkeypatch.setenv(k, v)

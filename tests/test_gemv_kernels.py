@@ -85,6 +85,28 @@ def test_silu_mul_epilogue_and_row_norm(poison_empty, cfg, dtype):
     assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["fma", "fma-split3", "dot-split2"])
+def test_gate_add_combines_expert_partials(poison_empty, cfg):
+    """The shared expert's down projection with the routed experts' uncombined partials [S, M * k, H] (f32) in
+    place of their sum: equals sum_reduce + the gate_add / residual / norm chain."""
+    dtype, M, H, I, S, k = torch.bfloat16, 3, 96, 64, 3, 4
+    h = torch.randn(M, I, device=DEV).to(dtype)
+    w2 = _weight(H, I, "dense", dtype)
+    part = torch.randn(S, M * k, H, device=DEV)
+    res = torch.randn(M, H, device=DEV).to(dtype)
+    logits = torch.randn(M, 9, device=DEV).to(dtype)
+    nw = (0.1 * torch.randn(H, device=DEV)).to(dtype)
+    kw = dict(epilogue="gate_add", gate_logit=logits[:, 8:], residual=res, norm_w=nw)
+    normed, hh = skinny.skinny_linear(h, w2, cfg, addend_parts=(part, k), **kw)
+    rnormed, rh = naive.skinny_linear(h, w2, addend_parts=(part, k), **kw)
+    assert rel_fro(hh, rh) <= _tol(dtype) and rel_fro(normed, rnormed) <= _tol(dtype)
+    # the addend is exactly what the experts' own combine makes
+    from linrnn_kernels.gemv import combine
+    assert torch.equal(combine(part, k, dtype), naive.combine_parts(part, k, dtype))
+    with pytest.raises(ValueError, match="addend_parts"):
+        skinny.skinny_linear(h, w2, cfg, addend_parts=(part[:, :-1], k), **kw)
+
+
 @pytest.mark.parametrize("prologue", ["rmsnorm", "gated_norm", "sigmoid_gate"])
 def test_prologues(poison_empty, prologue):
     dtype = torch.bfloat16
@@ -174,7 +196,7 @@ from linrnn_kernels.gemv import skinny
 fn = skinny._skinny_gemm_kernel
 for (pro, epi, res, norm, dot, split, bm, pdl) in [(0, 0, 0, 0, 0, 4, 1, 0), (2, 0, 1, 1, 0, 2, 1, 1),
                                                     (0, 1, 0, 0, 1, 2, 16, 0), (3, 2, 1, 1, 1, 1, 32, 1)]:
-    cex = dict(PRO=pro, EPI=epi, HAS_RES=res, ROW_NORM=norm, HAS_SCALE=0, HEAD=128, SPLIT_MAX=split, USE_DOT=dot, RM=bm, KCP=4, KC=4,
+    cex = dict(PRO=pro, EPI=epi, HAS_RES=res, ROW_NORM=norm, HAS_SCALE=0, HEAD=128, SPLIT_MAX=split, USE_DOT=dot, RM=bm, KCP=4, KC=4, ADD_GROUP=8, ADD_SPLITS=2 if epi == 2 else 0,
                COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=16 if dot else 32, BLOCK_K=256 if bm == 1 else 128,
                BLOCK_R=1024, EVEN_K=1, PDL=pdl)
     sig, consts, attrs = {}, {}, {}

@@ -15,6 +15,9 @@ unfused chain is faster (every projection above its max_m, every batch above 32 
   LINRNN_FUSED_ROUTER=0           the router's gate GEMM, softmax / top-k and expert alignment as separate
                                   kernels (default 1: one launch, with the shared expert's gate_up, up to the
                                   table's router max_m)
+  LINRNN_FUSED_MOE_COMBINE=1      the routed experts' top-k / split-K combine inside the shared expert's down
+                                  projection (gate_add epilogue) instead of its own kernel (default 0: not yet
+                                  measured on a GPU; tools/gpu_small_final.sh measures it)
   LINRNN_PDL=1                    programmatic dependent launch for these kernels (sm_90+, default off
                                   until measured)
 
@@ -146,6 +149,10 @@ def fused_router_enabled(M: int = 1) -> bool:
         return False
     t = _table(0, 0, "router")
     return M <= (int(t["max_m"]) if t is not None and "max_m" in t else MAX_M)
+
+
+def fused_moe_combine_enabled() -> bool:
+    return os.environ.get("LINRNN_FUSED_MOE_COMBINE", "0") != "0"
 
 
 def pdl_available(device) -> bool:

@@ -9,7 +9,10 @@ separate ops the model ran before fusion, with the same roundings to the activat
   GEMM      y = a W^T        (rounded to the activation dtype, as cuBLAS' bf16 output)
   epilogue  "none"          y
             "silu_mul"      silu(y[:, :N]) * y[:, N:]   with W = [gate rows; up rows] (2N rows)
-            "gate_add"      addend + sigmoid(gate_logit[:, None]) * y   (shared expert into the MoE sum)
+            "gate_add"      addend + sigmoid(gate_logit[:, None]) * y   (shared expert into the MoE sum);
+                            addend_parts = (part [S, M * G, N] f32, G) in place of the addend: the routed
+                            experts' split-K / top-k partials, addend = sum_reduce(part) (sum over the G
+                            pairs of a row and the S splits in f32, rounded to the activation dtype)
             "conv"          y[:, :C] -> conv1d_decode(y[:, :C], conv weight, conv state, state indices)
                             (GDN in_proj: causal conv + SiLU of the q/k/v channels, state updated)
   residual  h = y + residual (optional)
@@ -38,10 +41,18 @@ def prologue(x, kind: str, gate=None, pro_w=None, head: int = 0, eps: float = 1e
     raise ValueError(f"unknown prologue {kind!r}")
 
 
+def combine_parts(part: torch.Tensor, group: int, dtype) -> torch.Tensor:
+    """sum_reduce's result: out[t] = sum_j sum_s part[s, t * group + j] (f32), in `dtype`."""
+    S, P, N = part.shape
+    return part.float().reshape(S, P // group, group, N).sum(dim=(0, 2)).to(dtype)
+
+
 def skinny_linear(x, w: WeightTensor, *, prologue_kind="none", gate=None, pro_w=None, head=0, pro_eps=1e-6,
                   epilogue="none", addend=None, gate_logit=None, residual=None, norm_w=None, norm_eps=1e-6,
-                  conv=None):
+                  conv=None, addend_parts=None):
     """The unfused reference: returns y, or (normed, h) when norm_w is given."""
+    if addend_parts is not None:
+        addend = combine_parts(addend_parts[0], addend_parts[1], x.dtype)
     a = prologue(x, prologue_kind, gate, pro_w, head, pro_eps)
     y = F.linear(a.float(), w.dequantize(torch.float32)).to(x.dtype)
     if epilogue == "silu_mul":

@@ -161,10 +161,11 @@ def _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n,
 
 
 @triton.jit
-def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
+def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres,
             nw_ptr, y_ptr, sy, tick_ptr, sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
             EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, ACT: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, ACT: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr,
+            ADD_GROUP: tl.constexpr, ADD_SPLITS: tl.constexpr):
     mask = m_ok[:, None] & n_ok[None, :]
     y = _round(acc, ACT)
     if EPI == 3:  # causal conv1d + SiLU (GDN decode) on the first CC columns; conv state shifted in place
@@ -191,7 +192,15 @@ def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl
     elif EPI == 2:
         gl = tl.load(gl_ptr + rows * sgl, mask=m_ok, other=0.0).to(tl.float32)
         s = _round(1.0 / (1.0 + tl.exp(-gl)), ACT)
-        add = tl.load(add_ptr + rows[:, None] * sadd + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ADD_SPLITS:  # the routed experts' f32 partials [splits, rows x group, N], combined as sum_reduce does
+            add = tl.zeros((BLOCK_M, y.shape[1]), tl.float32)
+            for j in tl.static_range(ADD_GROUP):
+                for s_ in tl.static_range(ADD_SPLITS):
+                    add += tl.load(add_ptr + s_ * sadd_s + (rows * ADD_GROUP + j)[:, None] * sadd + offs_n[None, :],
+                                   mask=mask, other=0.0)
+            add = _round(add, ACT)
+        else:
+            add = tl.load(add_ptr + rows[:, None] * sadd + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         y = _round(add + _round(s[:, None] * y, ACT), ACT)
     if HAS_RES:
         r = tl.load(res_ptr + rows[:, None] * sres + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -262,12 +271,13 @@ def _skinny_program(
         pid_n, pid_k, n_tiles, n_split,
         x_ptr, sx, g_ptr, sg, sgh, pw_ptr,
         w_ptr, sw, rs_ptr, ws_ptr, tick_ptr, sumsq_ptr,
-        out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
+        out_ptr, so, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
         M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
         PRO: tl.constexpr, EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
         HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
         COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr):
+        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr,
+        ADD_GROUP: tl.constexpr, ADD_SPLITS: tl.constexpr):
     """Program (pid_n, pid_k) of an n_tiles x n_split grid (the fused router runs the shared expert's gate_up
     tiles through it too, with its own tickets)."""
     ACT: tl.constexpr = x_ptr.dtype.element_ty
@@ -299,21 +309,22 @@ def _skinny_program(
         last, acc, acc_u = _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n, pid_k,
                                          n_split, N, EPI == 1, BLOCK_M, SPLIT_MAX)
     if last:
-        _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres,
+        _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres,
                 nw_ptr, y_ptr, sy, tick_ptr, sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr,
-                CC, EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT, RM, KCP)
+                CC, EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT, RM, KCP, ADD_GROUP, ADD_SPLITS)
 
 
 @triton.jit
 def _skinny_gemm_kernel(
         x_ptr, sx, g_ptr, sg, sgh, pw_ptr,
         w_ptr, sw, rs_ptr, ws_ptr, tick_ptr, sumsq_ptr,
-        out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
+        out_ptr, so, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
         M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
         PRO: tl.constexpr, EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
         HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
         COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr, ADD_GROUP: tl.constexpr,
+        ADD_SPLITS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if PDL:  # let the next kernel launch; pull this program's weights into L2 while the previous one ends
@@ -324,10 +335,10 @@ def _skinny_gemm_kernel(
         gdc_wait()
     _skinny_program(pid_n, pid_k, tl.num_programs(0), tl.num_programs(1),
                     x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rs_ptr, ws_ptr, tick_ptr, sumsq_ptr,
-                    out_ptr, so, add_ptr, sadd, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
+                    out_ptr, so, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
                     M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
                     PRO, EPI, HAS_RES, ROW_NORM, KC, HAS_SCALE, HEAD, SPLIT_MAX, USE_DOT, COMPUTE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, RM, KCP)
+                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, RM, KCP, ADD_GROUP, ADD_SPLITS)
 
 
 _tickets: dict[torch.device, torch.Tensor] = {}
@@ -360,7 +371,7 @@ def row_block(rows: int, n: int) -> int:
 
 def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=None, pro_w=None, head: int = 0,
                   pro_eps: float = 1e-6, epilogue: str = "none", addend=None, gate_logit=None, residual=None,
-                  norm_w=None, norm_eps: float = 1e-6, conv=None, out=None):
+                  norm_w=None, norm_eps: float = 1e-6, conv=None, out=None, addend_parts=None):
     """The fused launch (see naive.skinny_linear for the semantics). x [M, K]; w a WeightTensor (dense or
     fp8) [N or 2N, K]; cfg a SkinnyConfig; conv = (weight [C, KC], state [slots, KC-1, C], state_indices [M])
     for the conv epilogue. Returns y [M, N] (written into `out` if given), or (normed, h) with norm_w."""
@@ -408,6 +419,14 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
         sgh = max(head, 1)
     gl = gate_logit if gate_logit is not None else dummy
     add = addend if addend is not None else dummy
+    add_group, add_splits, sadd, sadd_s = 1, 0, add.stride(0), 0
+    if addend_parts is not None:  # (part [splits, M * group, N] f32, group): the addend is their sum_reduce
+        if epilogue != "gate_add" or addend is not None:
+            raise ValueError("addend_parts replace the addend of the gate_add epilogue")
+        add, add_group = addend_parts
+        if add.dim() != 3 or add.shape[1] != M * add_group or add.shape[2] != N or add.stride(2) != 1:
+            raise ValueError(f"addend_parts {tuple(add.shape)} must be [splits, {M} x group {add_group}, {N}]")
+        add_splits, sadd, sadd_s = add.shape[0], add.stride(1), add.stride(0)
     res = residual if residual is not None else dummy
     if epilogue == "conv":
         cw, cs, idx = conv
@@ -425,12 +444,13 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
     _skinny_gemm_kernel[(n_tiles, split)](
         x, x.stride(0), g, g.stride(0), sgh, pro_w if pro_w is not None else dummy,
         w.data, w.data.stride(0), w.row_scale if w.row_scale is not None else dummy, ws, tickets(dev), ss,
-        out, out.stride(0), add, add.stride(0), gl, gl.stride(0), res, res.stride(0),
+        out, out.stride(0), add, sadd, sadd_s, gl, gl.stride(0), res, res.stride(0),
         norm_w if norm_w is not None else dummy, y, y.stride(0),
         M, N, K, k_per, pro_eps, norm_eps, cw, cs, cs.stride(0) if epilogue == "conv" else 0, idx, CC,
         PRO=PROLOGUES[prologue_kind], EPI=EPILOGUES[epilogue], HAS_RES=residual is not None, KC=KC,
         ROW_NORM=norm_w is not None, HAS_SCALE=w.row_scale is not None, HEAD=max(head, 1), SPLIT_MAX=triton.next_power_of_2(split),
         USE_DOT=cfg.use_dot, COMPUTE=_compute_dtype(x), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=row_block(rm, N), EVEN_K=K % cfg.block_k == 0, RM=rm, KCP=triton.next_power_of_2(max(KC - 1, 1)),
+        ADD_GROUP=add_group, ADD_SPLITS=add_splits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(x))
     return (y, out) if norm_w is not None else out

@@ -4,7 +4,8 @@ Triton kernels on CUDA tensors (linrnn_kernels.dispatch.use_triton), the naive r
   route(router_logits [T, E], top_k, renormalize) -> (topk_weights f32 [T, k], topk_ids [T, k])
       (int32 ids from the kernel, int64 from the reference)
   moe_experts(x [T, H], topk_weights, topk_ids, w13: WeightTensor [E, 2I, H], w2: WeightTensor [E, H, I],
-              alignment=None) -> [T, H] in x.dtype
+              alignment=None, combine=True) -> [T, H] in x.dtype (combine=False: experts.Partials, the
+              uncombined f32 partials, where the Triton path has them, for a consumer that combines them)
   route_align(x [T, K], gate_w: WeightTensor [E (+ shared gate), K], E, top_k, renormalize, shared_w13=None)
       -> (logits [T, NL] in x.dtype, topk_weights in x.dtype, topk_ids, alignment or None, h or None):
       the whole router; decode-sized batches run it as one kernel (router_fused.py, whose alignment the
@@ -65,10 +66,11 @@ def route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, shar
     return logits, w.to(x.dtype), ids, None, None
 
 
-def moe_experts(x, topk_weights, topk_ids, w13, w2, alignment=None):
+def moe_experts(x, topk_weights, topk_ids, w13, w2, alignment=None, combine: bool = True):
+    """combine=False: the uncombined experts.Partials where the Triton path has them, else the output."""
     if use_triton(x):
         from linrnn_kernels.moe import experts
 
         if experts.supported(x, w13, w2):
-            return experts.moe_experts(x, topk_weights, topk_ids, w13, w2, alignment=alignment)
+            return experts.moe_experts(x, topk_weights, topk_ids, w13, w2, alignment=alignment, combine=combine)
     return naive.moe_experts(x, topk_weights, topk_ids, w13, w2)

@@ -45,6 +45,13 @@ def supported(x: torch.Tensor, *weights: WeightTensor) -> bool:
     return all(w.fmt == "dense" for w in weights) or (major, minor) >= (8, 9)
 
 
+class Partials(NamedTuple):
+    """The routed experts' output before its top-k / split-K combine: out[t] = sum_j sum_s part[s, t * group + j]
+    (f32 [splits, T * group, H]); a fused consumer (the shared expert's down projection) combines them."""
+    part: torch.Tensor
+    group: int
+
+
 class Alignment(NamedTuple):
     """moe_align_block_size's outputs computed ahead (the fused router), for block_m rows per block."""
 
@@ -73,12 +80,13 @@ def moe_configs(num_tokens: int, top_k: int, num_experts: int, inter: int, hidde
 
 def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 w13: WeightTensor, w2: WeightTensor, *, configs=None, nvfp4_path: str | None = None,
-                alignment: Alignment | None = None):
+                alignment: Alignment | None = None, combine: bool = True):
     """Triton twin of naive.moe_experts. `configs` = (gate_up, down) GemmConfigs with equal
     block_m (default: moe_configs); `nvfp4_path` = "asm" | "triton" | "dot_scaled" forces that
     grouped-GEMM decode; None or "mma" picks by batch: the MMA-fragment kernel for decode batches
     (packed weights, Hopper), bf16 dequantization for large ones, else nvfp4_gemm_path().
-    `alignment`: topk_ids already aligned (used when its block_m matches the path's: 8 for the MMA path)."""
+    `alignment`: topk_ids already aligned (used when its block_m matches the path's: 8 for the MMA path).
+    combine=False: return the uncombined Partials where the path has them (decode batches), else the output."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
@@ -113,7 +121,8 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     x = x.contiguous()
     P = T * top_k
     if configs is None and nvfp4_path is None and _mma_decode(x, P, E, w13, w2):
-        return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out, alignment=alignment)
+        return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out, alignment=alignment,
+                               combine=combine)
     cfg13, cfg2 = configs or moe_configs(T, top_k, E, inter, H, w13.fmt, w2.fmt, x.device)
     if cfg13.block_m != cfg2.block_m:
         raise ValueError(f"gate_up and down configs must share block_m ({cfg13.block_m} != {cfg2.block_m})")
@@ -137,6 +146,8 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     part = gg.alloc(cfg2.split_k, P, H, dtype=torch.float32, device=x.device)
     route_w = topk_weights.reshape(-1).contiguous()
     gg.launch_gemm(h, w2, part, cfg2, n=H, k=inter, route_weights=route_w, **common)
+    if not combine:
+        return Partials(part, top_k)
     gg.sum_reduce(part, out, group=top_k)
     return out
 
@@ -166,7 +177,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
                     tokens: int | None = None, warps: int = 4, units: int = nvfp4_mma.DEFAULT_UNITS,
                     groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
-                    alignment: Alignment | None = None):
+                    alignment: Alignment | None = None, combine: bool = True):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
@@ -202,5 +213,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
     nvfp4_mma.launch(h, p2, part, route_weights=topk_weights.reshape(-1).contiguous(), split=s2,
                      groups=groups[1], **common)
+    if not combine:
+        return Partials(part, top_k)
     gg.sum_reduce(part, out, group=top_k)
     return out

@@ -29,11 +29,13 @@ class MLP(nn.Module):
                                         {p: fmt(f"{prefix}.{p}_proj") for p in ("gate", "up")})
         self.down_proj = Linear(inter, hidden, dtype, fmt(f"{prefix}.down_proj"))
 
-    def forward(self, x: torch.Tensor, post: PostNorm | None = None, addend=None, gate_logit=None, h=None):
+    def forward(self, x: torch.Tensor, post: PostNorm | None = None, addend=None, gate_logit=None, h=None,
+                addend_parts=None):
         """down(silu(gate(x)) * up(x)); with addend / gate_logit: addend + sigmoid(gate_logit) * that (the
         shared expert joining the routed experts' sum); with post, (post-normed output, new residual).
         Decode-sized batches: SiLU*mul in the gate_up kernel's epilogue, the rest in the down kernel's.
-        h: silu(gate(x)) * up(x) when already computed (the fused router's launch does it)."""
+        h: silu(gate(x)) * up(x) when already computed (the fused router's launch does it).
+        addend_parts: the routed experts' uncombined partials (kernels' moe Partials) in place of addend."""
         w13, w2 = self.gate_up_proj.weight_tensor(), self.down_proj.weight_tensor()
         if h is not None:
             pass
@@ -42,9 +44,13 @@ class MLP(nn.Module):
         else:
             h = norm_ops.silu_mul(self.gate_up_proj(x))
         epi = {} if addend is None else {"epilogue": "gate_add", "addend": addend, "gate_logit": gate_logit}
+        if addend_parts is not None:
+            epi = {"epilogue": "gate_add", "addend_parts": addend_parts, "gate_logit": gate_logit}
         if w2 is not None:
             return gemv_ops.fused_linear(h, w2, **epi, **(post.fused_options() if post is not None else {}))
         y = self.down_proj(h)
+        if addend_parts is not None:
+            addend = gemv_ops.combine(*addend_parts, y.dtype)
         if addend is not None:
             y = addend + torch.sigmoid(gate_logit) * y
         return y if post is None else post(y)
@@ -78,9 +84,9 @@ class Experts(nn.Module):
         self.w13.pack_mma(gated=True, name=f"{name}.w13 (gate_up_proj)")
         self.w2.pack_mma(gated=False, name=f"{name}.w2 (down_proj)")
 
-    def forward(self, x, topk_weights, topk_ids, alignment=None):
+    def forward(self, x, topk_weights, topk_ids, alignment=None, combine: bool = True):
         return moe_ops.moe_experts(x, topk_weights, topk_ids, self.w13.weight_tensor(), self.w2.weight_tensor(),
-                                   alignment=alignment)
+                                   alignment=alignment, combine=combine)
 
 
 class SparseMoE(nn.Module):
@@ -117,9 +123,16 @@ class SparseMoE(nn.Module):
         if self.partitioned:  # the alignment is of the global ids: the experts re-align the local ones
             topk_w, topk_ids = self._local_routes(topk_w, topk_ids)
             alignment = None
-        y = self.experts(x, topk_w, topk_ids, alignment)
+        # decode-sized batches: the routed experts' top-k / split-K combine can run inside the shared expert's
+        # down projection (LINRNN_FUSED_MOE_COMBINE=1)
+        w2 = self.shared_expert.down_proj.weight_tensor() if self.has_shared else None
+        combined = not (gemv_ops.config.fused_moe_combine_enabled() and not self.partitioned and w2 is not None
+                        and gemv_ops.takes_rows(x.shape[0], x, w2, "gate_add"))
+        y = self.experts(x, topk_w, topk_ids, alignment, combine=combined)
         if self.has_shared:
-            return self.shared_expert(x, post=post, addend=y, gate_logit=logits[:, self.num_experts:], h=h)
+            parts = None if isinstance(y, torch.Tensor) else y
+            return self.shared_expert(x, post=post, addend=None if parts is not None else y,
+                                      gate_logit=logits[:, self.num_experts:], h=h, addend_parts=parts)
         return y if post is None else post(y)
 
     def _local_routes(self, topk_w, topk_ids):
