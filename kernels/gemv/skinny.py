@@ -1,13 +1,21 @@
 """Skinny GEMM / split-K GEMV for decode-sized batches (M <= 32 rows): y = prologue(x) W^T -> epilogue,
 one launch (kernels/gemv/naive.py defines every option as the chain of separate ops it replaces).
 
-Grid (N tiles, SPLIT_K): each program streams BLOCK_N weight rows (2 x BLOCK_N with the silu_mul
+Grid (N tiles, splits): each program streams BLOCK_N weight rows (2 x BLOCK_N with the silu_mul
 epilogue: gate row n and up row N + n) over its K slice with 16-byte loads, evicted first (weights
-are read once per step). With SPLIT_K > 1 the f32 partials go to a workspace and the last program of
-each N tile (an atomic ticket, reset to 0 by that program so a captured graph can replay) sums them
-in split order 0, 1, ...: the result does not depend on which program finishes last, so it is
-bit-reproducible. The row-norm epilogue (the next RMSNorm needs a whole row) uses a second ticket:
-the last N tile to finish normalises the rows.
+are read once per step). Two inner loops (_gemm_tile):
+  FMA (rows <= 8): the [M, BLOCK_N, BLOCK_K] products accumulate elementwise in the weight tile's own
+      layout, reduced over K once after the loop, with the next weight tile already loading. (The first
+      version reduced a 3-D product every step: Triton moved every weight tile through shared memory
+      into a one-element-per-thread layout, 20 us per call on the H200.)
+  dot (rows padded to 16): tl.dot on the tensor cores, software-pipelined loads (num_stages).
+With splits > 1 the f32 partials go to a workspace and the last program of each N tile (an atomic
+ticket, reset to 0 by that program so a captured graph can replay) sums them in split order 0, 1, ...
+(unrolled: all partial loads in flight together): the result does not depend on which program finishes
+last, so it is bit-reproducible. The row-norm epilogue (the next RMSNorm needs a whole row): each tile
+stores its share of the rows' sums of squares, a second ticket elects the last tile, which adds the
+shares in tile order and normalises the live rows in one pass over h. The conv epilogue reads the
+whole conv state of its columns before any thread shifts it (a CTA barrier between).
 
 Weights: bf16/f16/f32 ("dense") or FP8 E4M3 with a per-row f32 scale (per-tensor scales are stored
 broadcast per row, layers/quant.py). Activations bf16/f16/f32; accumulation f32; every intermediate
