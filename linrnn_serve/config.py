@@ -323,6 +323,8 @@ class EngineConfig:
     reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1"
     tool_call_parser: str | None = None  # "qwen3_coder" | "hermes"
     enable_auto_tool_choice: bool = False
+    # structured output waits for the end of the reasoning (</think>) unless this is set (vLLM's default)
+    structured_outputs_enable_in_reasoning: bool = False
     # how the core drives its workers (engine/executor.py): "uniproc" (one in-process worker), a
     # registered kind, or "package.module:Class" (e.g. the host-overhead benchmark's stubbed forward)
     executor: str = "uniproc"

@@ -113,6 +113,21 @@ def _json_dict(s: str) -> dict:
     return v
 
 
+def _structured_outputs_config(cfg: dict | None) -> bool:
+    """--structured-outputs-config -> enable_in_reasoning; ValueError (one line) on what we do not have."""
+    cfg = dict(cfg or {})
+    backend = cfg.pop("backend", "auto")
+    if backend not in ("auto", "xgrammar"):
+        raise ValueError(f"--structured-outputs-config: backend {backend!r} is not available (xgrammar only)")
+    enable = cfg.pop("enable_in_reasoning", False)
+    if not isinstance(enable, bool):
+        raise ValueError("--structured-outputs-config: enable_in_reasoning must be true or false")
+    if cfg:
+        raise ValueError(f"--structured-outputs-config: keys {sorted(cfg)} are not supported (backend, "
+                         f"enable_in_reasoning)")
+    return enable
+
+
 def _arg(help: str, group: str = "engine", flags: tuple[str, ...] = (), **argparse_kw) -> dict[str, Any]:
     return {"help": help, "group": group, "flags": flags, "argparse": argparse_kw}
 
@@ -195,6 +210,10 @@ class EngineArgs:
                                       "frontend")
     enable_auto_tool_choice: bool = _f(False, "let the model decide to call tools (tool_choice 'auto'); needs "
                                        "--tool-call-parser", "frontend", action="store_true")
+    structured_outputs_config: dict | None = _f(None, "JSON object, vLLM's keys: 'backend' ('xgrammar' or 'auto'), "
+                                                "'enable_in_reasoning' (true: constrain the <think> part too; "
+                                                "default: the constraint starts after it)", "frontend",
+                                                type=_json_dict)
     # vLLM flags we do not have: set by the parser only, refused in create_engine_config
     unsupported: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
@@ -277,4 +296,5 @@ class EngineArgs:
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
             chat_template=self.chat_template, reasoning_parser=self.reasoning_parser,
-            tool_call_parser=self.tool_call_parser, enable_auto_tool_choice=self.enable_auto_tool_choice)
+            tool_call_parser=self.tool_call_parser, enable_auto_tool_choice=self.enable_auto_tool_choice,
+            structured_outputs_enable_in_reasoning=_structured_outputs_config(self.structured_outputs_config))

@@ -19,6 +19,7 @@ calls like the HTTP server. `use_tqdm` shows a progress bar over requests (defau
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from typing import Sequence
@@ -28,6 +29,7 @@ from linrnn_serve.engine.llm_engine import LLMEngine
 from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
 from linrnn_serve.engine.tokenizer import resolve_chat_template
 from linrnn_serve.parsers import ChatOutputParser
+from linrnn_serve.parsers.reasoning import gate_constraint
 from linrnn_serve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
@@ -66,6 +68,12 @@ class LLM:
         prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
+        # a constraint waits for the end of the reasoning, as in the server (parsers.reasoning.gate_constraint)
+        per = [sampling_params] * len(texts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(per) == len(texts):  # else generate() says the counts differ
+            sampling_params = [dataclasses.replace(p, structured_outputs=gate_constraint(
+                p.structured_outputs, cfg.reasoning_parser, t, cfg.structured_outputs_enable_in_reasoning))
+                if p.structured_outputs is not None else p for p, t in zip(per, texts)]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         tool_parser = cfg.tool_call_parser if tools and cfg.enable_auto_tool_choice else None
         if cfg.reasoning_parser or tool_parser:

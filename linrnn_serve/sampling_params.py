@@ -17,6 +17,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (GBNF-style: root ::= ...)
     json_object: bool = False  # any JSON object (response_format json_object)
+    # reasoning models: the constraint starts once the output contains this text (`</think>`); the
+    # thinking before it is free (vLLM's default, enable_in_reasoning=False). None: from the first token.
+    reasoning_end: str | None = None
 
     def kind(self) -> str:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

@@ -49,8 +49,10 @@ def _cmd(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def coder():
+    # the scripts below force the thinking too: the constraint applies from the first token
     s = ServerProcess(_cmd("tiny", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser",
-                           "qwen3_coder", "--chat-template", TEMPLATE))
+                           "qwen3_coder", "--chat-template", TEMPLATE, "--structured-outputs-config",
+                           '{"enable_in_reasoning": true, "backend": "xgrammar"}'))
     yield s
     s.stop()
 
@@ -244,10 +246,28 @@ def test_hermes_style_tool_calls():
 
 
 def test_constrained_answer_in_thinking_mode_is_content(oai):
-    """The grammar applies from the first token: with a template in thinking mode the JSON answer is content."""
+    """enable_in_reasoning: the grammar applies from the first token, so with a template in thinking mode the
+    JSON answer is content (by default it waits for </think>: test_structured_output.py, and below)."""
     r = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=32, temperature=0,
                                     response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
                                         "type": "object", "properties": {"ok": {"type": "boolean"}},
                                         "required": ["ok"]}}})
     m = r.choices[0].message
     assert m.reasoning_content is None and isinstance(json.loads(m.content)["ok"], bool)
+
+
+def test_constraint_waits_for_the_end_of_the_reasoning_by_default():
+    """Without enable_in_reasoning (vLLM's default) the thinking is free: the (random) tiny model thinks
+    unconstrained text where the same request on the enable_in_reasoning server above returns JSON at once
+    (the engine test with a scripted model checks the answer after </think>: test_structured_output.py)."""
+    s = ServerProcess(_cmd("tiny", "--reasoning-parser", "qwen3", "--chat-template", TEMPLATE))
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+        r = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0, response_format=rf)
+        m = r.choices[0].message
+        assert r.choices[0].finish_reason == "length" and m.reasoning_content and not m.content
+        assert not m.reasoning_content.lstrip().startswith("{")
+    finally:
+        s.stop()

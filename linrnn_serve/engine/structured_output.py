@@ -4,8 +4,8 @@ matcher per sequence, and the per-step token bitmask they fill.
     so = StructuredOutputs(tokenizer, vocab_size, eos_ids)
     so.check(params)                       # compile now (cached): StructuredOutputError -> HTTP 400
     so.add(seq_ids, params)                # a matcher per sample
-    plan.fill_bitmask = so.filler(plan)    # the runner calls it while the forward runs (runner/)
-    so.accept(seq_id, token)               # after each sampled token
+    plan.fill_bitmask = so.fill            # the runner calls it while the forward runs (runner/)
+    so.accept(seq_id, token)               # after each sampled token (queued; fed by the next fill)
 
 Split of work (DESIGN.md): the compiler and matcher state live here (host, Python objects); the
 runner owns the device bitmask buffer, calls `fill(host_rows, seq_ids)` after it has launched the
@@ -14,19 +14,38 @@ without blocking and applies them inside the decode CUDA graph (runner/sampler.p
 Unconstrained rows of a constrained batch are all ones: their logits, and so their greedy tokens,
 are unchanged.
 
+Host cost per step (what the GPU could wait for), kept off the critical path the way vLLM and
+xgrammar do it:
+- `accept` only queues the sampled token; `fill` first feeds the queued tokens to their matchers (one
+  `batch_accept_string` call), then fills every constrained row with one multithreaded
+  `BatchGrammarMatcher.batch_fill_next_token_bitmask` call. Both run inside the runner's overlap
+  window (the forward is already queued on the GPU), not between steps.
+- tokens are fed as their bytes (`accept_string`), not by id: xgrammar's `accept_token` scans the list
+  of special token ids linearly on every call (23 us per token with a model vocabulary padded far
+  beyond its tokenizer, as the dummy presets are); EOS and special tokens are handled here instead.
+- free rows are set to all ones in one indexed fill; nothing is allocated per row.
+
 The bitmask is xgrammar's: int32 words, bit t % 32 of word t // 32 set = token t allowed. The
 vocabulary handed to xgrammar is the model's (padded ids beyond the tokenizer are never allowed),
 each token as its exact bytes; special tokens are empty (never allowed inside a grammar) except the
-EOS ids, which the grammar allows once it is complete.
+EOS ids, which the grammar allows once it is complete. After EOS (or once the grammar is complete
+and EOS was sampled anyway, e.g. `ignore_eos`) the row is free.
+
+Reasoning models (`StructuredOutputsParams.reasoning_end`, set by the server when a reasoning parser
+is on and the output starts inside a <think> block): the grammar waits until the output contains that
+text (`</think>`), as vLLM does by default (`enable_in_reasoning=False`), so the thinking is not
+constrained and the answer after it is.
 
 JSON schemas are compiled without free whitespace (compact separators, as vLLM with
 `disable_any_whitespace`): small models otherwise loop on whitespace until max_tokens.
-`allowed_token_ids` uses the same path (a fixed mask, ANDed with the grammar's when both are set).
+`allowed_token_ids` uses the same path (a fixed mask, ANDed with the grammar's when both are set; it
+also applies during the reasoning).
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from typing import Any
 
@@ -43,32 +62,36 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 class _Constraint:
-    """One sequence's state: an xgrammar matcher and/or a fixed allowed-token mask."""
+    """One sequence's state: an xgrammar matcher (None: no grammar, or it is finished) and/or a fixed
+    allowed-token mask; `reasoning_end` (bytes or None): the grammar waits until the output contains it."""
 
-    __slots__ = ("matcher", "allowed")
+    __slots__ = ("matcher", "allowed", "reasoning_end", "tail")
 
-    def __init__(self, matcher, allowed: torch.Tensor | None):
-        self.matcher, self.allowed = matcher, allowed
+    def __init__(self, matcher, allowed: torch.Tensor | None, reasoning_end: bytes | None = None):
+        self.matcher, self.allowed, self.reasoning_end = matcher, allowed, reasoning_end
+        self.tail = b""  # the last output bytes while waiting for reasoning_end
 
-    def fill(self, host: torch.Tensor, row: int) -> None:
-        if self.matcher is not None:
-            if self.matcher.is_terminated():
-                host[row].fill_(-1)
-            else:
-                self.matcher.fill_next_token_bitmask(host, row)
-            if self.allowed is not None:
-                host[row].bitwise_and_(self.allowed)
-        else:
-            host[row].copy_(self.allowed)
+    @property
+    def grammar_on(self) -> bool:
+        return self.matcher is not None and self.reasoning_end is None
+
+
+def _batch_threads() -> int:
+    """xgrammar's fill threads: half the cores (its "auto"), at most 8 (rows are ~1-50 us each)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class StructuredOutputs:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
+        self._eos = frozenset(self.eos_token_ids)
         self.words = bitmask_words(vocab_size)
         self._compiler = None
+        self._vocab: list[bytes] = []  # per id: the bytes the grammar sees (b"": special or padding)
+        self._batch = None  # xgr.BatchGrammarMatcher: its thread pool fills the rows
         self._lock = threading.Lock()
         self.constraints: dict[int, _Constraint] = {}
+        self._pending: list[tuple[int, int]] = []  # (seq id, sampled token) not yet fed to the matchers
 
     # ---- compile ----------------------------------------------------------------------------
     def _get_compiler(self):
@@ -87,6 +110,8 @@ class StructuredOutputs:
                          for i in range(self.vocab_size)]
                 info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                          stop_token_ids=self.eos_token_ids or None)
+                self._vocab = vocab
+                self._batch = xgr.BatchGrammarMatcher(_batch_threads())
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
             return self._compiler
 
@@ -140,29 +165,90 @@ class StructuredOutputs:
 
         compiled = self.check(params)
         allowed = self._allowed_mask(params.allowed_token_ids) if params.allowed_token_ids is not None else None
+        so = params.structured_outputs
+        end = so.reasoning_end.encode() if so is not None and so.reasoning_end else None
         for sid in seq_ids:
             matcher = xgr.GrammarMatcher(compiled) if compiled is not None else None
-            self.constraints[sid] = _Constraint(matcher, allowed)
+            self.constraints[sid] = _Constraint(matcher, allowed, end if matcher is not None else None)
 
     def remove(self, seq_id: int) -> None:
         self.constraints.pop(seq_id, None)
 
     def accept(self, seq_id: int, token_id: int) -> None:
-        c = self.constraints.get(seq_id)
-        if c is None or c.matcher is None or c.matcher.is_terminated():
+        """Queue a sampled token; the next `fill` (or `flush`) feeds it to the sequence's matcher."""
+        if seq_id in self.constraints:
+            self._pending.append((seq_id, token_id))
+
+    def flush(self) -> None:
+        """Feed the queued tokens to their matchers (one batched xgrammar call)."""
+        if not self._pending:
             return
-        if not c.matcher.accept_token(token_id):  # e.g. EOS banned by min_tokens, or ignore_eos past the end
-            log.debug("sequence %d: token %d is outside its grammar; constraint dropped", seq_id, token_id)
-            c.matcher = None
-            if c.allowed is None:
-                self.constraints.pop(seq_id, None)
+        pending, self._pending = self._pending, []
+        matchers, strings, owners = [], [], []
+        for sid, tok in pending:
+            c = self.constraints.get(sid)
+            if c is None or c.matcher is None:
+                continue
+            if c.reasoning_end is not None:  # still thinking: watch for the end of the reasoning
+                c.tail = (c.tail + (self._vocab[tok] if 0 <= tok < len(self._vocab) else b""))
+                if c.reasoning_end in c.tail:
+                    c.reasoning_end, c.tail = None, b""  # the grammar starts with the next token
+                else:
+                    c.tail = c.tail[-len(c.reasoning_end):]
+                continue
+            if tok in self._eos:
+                # EOS ends the grammar when it is complete (the row is free from now on, e.g. ignore_eos);
+                # otherwise it is outside the grammar (e.g. min_tokens banned nothing, the model chose it)
+                self._finish(sid, c, "EOS" if c.matcher.is_completed() else None)
+                continue
+            text = self._vocab[tok] if 0 <= tok < len(self._vocab) else b""
+            if not text:  # a special or padding token: never inside a grammar
+                self._finish(sid, c, None, tok)
+                continue
+            matchers.append(c.matcher)
+            strings.append(text)
+            owners.append((sid, c, tok))
+        if matchers:
+            import xgrammar as xgr
+
+            ok = xgr.BatchGrammarMatcher.batch_accept_string(matchers, strings)
+            for good, (sid, c, tok) in zip(ok, owners):
+                if not good:
+                    self._finish(sid, c, None, tok)
+
+    def _finish(self, sid: int, c: _Constraint, why: str | None, tok: int | None = None) -> None:
+        if why is None:  # e.g. ignore_eos past the grammar's end, or a token forced around the mask
+            log.debug("sequence %d: token %s is outside its grammar; constraint dropped", sid, tok)
+        c.matcher = None
+        if c.allowed is None:
+            self.constraints.pop(sid, None)
 
     def fill(self, host: torch.Tensor, seq_ids: list[int]) -> None:
-        """Rows of `host` (int32 [len(seq_ids), words], pre-set to -1) for the constrained sequences."""
+        """Write every row of `host` (int32 [len(seq_ids), words], pinned or not): the token bitmask of
+        the constrained sequences, all ones for the others. Feeds the queued tokens first."""
+        self.flush()
+        matchers, rows, free, masked = [], [], [], []
         for i, sid in enumerate(seq_ids):
             c = self.constraints.get(sid)
-            if c is not None:
-                c.fill(host, i)
+            if c is None:
+                free.append(i)
+                continue
+            if c.grammar_on:
+                matchers.append(c.matcher)
+                rows.append(i)
+            elif c.allowed is None:
+                free.append(i)
+            if c.allowed is not None:
+                masked.append((i, c))
+        if free:  # one numpy fancy-index store: no per-row dispatch, no OpenMP wake-ups (torch's fill_ on a
+            host.numpy()[free] = -1  # loaded host spiked to ms)
+        if matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        for i, c in masked:
+            if c.grammar_on:
+                host[i].bitwise_and_(c.allowed)
+            else:
+                host[i].copy_(c.allowed)
 
 
 def pack_bits(allowed: torch.Tensor) -> torch.Tensor:

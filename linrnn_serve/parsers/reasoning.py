@@ -135,3 +135,20 @@ def make_reasoning_parser(name: str, prompt_text: str | None = None,
     if name == "deepseek_r1":
         return ReasoningParser(True, tool_call_start)
     raise ValueError(f"unknown reasoning parser {name!r} (available: {', '.join(REASONING_PARSERS)})")
+
+
+def starts_in_reasoning(name: str | None, prompt_text: str | None) -> bool:
+    """The output of this prompt begins inside a reasoning block (what `make_reasoning_parser` decides)."""
+    return name == "deepseek_r1" or (name == "qwen3" and prompt_opens_thinking(prompt_text))
+
+
+def gate_constraint(so, reasoning_parser: str | None, prompt_text: str | None, enable_in_reasoning: bool = False):
+    """A structured-output constraint for this prompt: when the output starts inside a reasoning block, the
+    grammar waits for `</think>` (vLLM's default, `enable_in_reasoning` false), so the thinking is free and
+    the answer after it is constrained. Otherwise (no reasoning parser, a template without thinking) it
+    applies from the first token. `so`: a StructuredOutputsParams or None; returns a copy or `so`."""
+    if so is None or enable_in_reasoning or not starts_in_reasoning(reasoning_parser, prompt_text):
+        return so
+    import dataclasses
+
+    return dataclasses.replace(so, reasoning_end=THINK_END)

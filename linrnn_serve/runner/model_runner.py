@@ -119,6 +119,11 @@ class ModelRunner:
         self._stage = [self._new_stage(num_slots, B, pin) for _ in range(2)]
         self._events: list = [None, None]
         self._k = 1
+        # the mask upload runs on its own stream, beside the forward (not queued behind it); the events keep
+        # the pinned rows and the device buffer from being rewritten while a copy / the mask graph uses them
+        self._mask_stream = torch.cuda.Stream(dev) if pin else None
+        self._mask_copied = torch.cuda.Event() if pin else None
+        self._mask_read = torch.cuda.Event() if pin else None
         self.graphs = GraphSet()
         self.use_graphs = False
         self.enforce_eager = enforce_eager
@@ -327,15 +332,14 @@ class ModelRunner:
             self._decode_forward(b)
         if fill_bitmask is not None:
             # the forward is queued on the GPU: fill the grammar bitmask on the host meanwhile, then hand it
-            # over without a sync (pinned -> static buffer) and mask inside the graph
-            host = self._mask_host[:b]
-            host.fill_(-1)
-            fill_bitmask(host[:n], [s.seq_id for s in samp])
-            self._mask[:b].copy_(host, non_blocking=self.cuda)
+            # over without a sync (pinned -> static buffer, on the side stream) and mask inside the graph
+            self._upload_mask(b, n, fill_bitmask, [s.seq_id for s in samp])
             if graphs:
                 self.graphs.replay(b, "mask")
             else:
                 self._mask_static(b)
+            if self._mask_read is not None:
+                self._mask_read.record()
         any_random = any(s.temperature >= S.GREEDY_EPS for s in samp)
         if S.needs_logit_edits(samp):
             logits = S.apply_logit_edits(self.logits_buf[:b], samp + [None] * (b - n))
@@ -349,6 +353,25 @@ class ModelRunner:
             else:
                 self._sample_static(b, kind == "sample_sorted")
         return samp, None, self.logits_buf[:n]
+
+    def _upload_mask(self, b: int, n: int, fill_bitmask, seq_ids: list[int]) -> None:
+        """Fill rows [:n] of the pinned staging buffer (padding rows [n:b] all ones) and copy [:b] to the
+        device buffer; on CUDA the copy runs on `_mask_stream` and the current stream waits for it."""
+        host = self._mask_host
+        if self._mask_copied is not None:
+            self._mask_copied.synchronize()  # the previous step's copy has read the pinned rows (normally long done)
+        fill_bitmask(host[:n], seq_ids)
+        if b > n:
+            host.numpy()[n:b] = -1  # numpy: torch's fill_ of a few hundred KB wakes OpenMP threads (ms spikes)
+        if self._mask_stream is None:
+            self._mask[:b].copy_(host[:b])
+            return
+        cur = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._mask_stream):
+            self._mask_stream.wait_event(self._mask_read)  # the last mask graph has read the device buffer
+            self._mask[:b].copy_(host[:b], non_blocking=True)
+            self._mask_copied.record()
+        cur.wait_event(self._mask_copied)
 
     def _run_prefill(self, rows: list[PrefillRow], result: StepResult, fill_bitmask=None):
         """One varlen forward (padded to a token bucket and replayed from a CUDA graph when short, else
@@ -412,7 +435,9 @@ class ModelRunner:
 
     def _sample(self, samp: list[SamplingRow], logits: torch.Tensor, fill_bitmask=None):
         if fill_bitmask is not None:
-            host = torch.full((len(samp), self._mask.shape[1]), -1, dtype=torch.int32)
+            # first tokens (prefill / cached rows): eager, off the decode graph; a fresh host buffer keeps
+            # the decode staging rows out of it (a prefill batch may sample more rows than a decode bucket)
+            host = torch.empty((len(samp), self._mask.shape[1]), dtype=torch.int32)
             fill_bitmask(host, [s.seq_id for s in samp])
             S.apply_bitmask(logits, host.to(self.device))
         t = S.SamplingTensors.from_rows(samp, self.device)

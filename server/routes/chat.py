@@ -5,7 +5,10 @@ Output parsing (linrnn_serve/parsers): with --reasoning-parser the <think> part 
 `reasoning_content`; with tool_choice 'auto' (--enable-auto-tool-choice --tool-call-parser) tool calls
 are returned as `tool_calls` (streamed as they are generated); 'required' and named tool_choice force
 a call by structured decoding (server/tool_choice.py). response_format / structured_outputs / guided_*
-constrain the output (engine/structured_output.py).
+constrain the output (engine/structured_output.py); with a reasoning parser and a prompt that opens a
+<think> block, the constraint starts after `</think>` (vLLM's default; `--structured-outputs-config
+'{"enable_in_reasoning": true}'` constrains from the first token), so the thinking is free and the
+answer is constrained. A forced tool call is constrained from the first token.
 
 `max_completion_tokens` wins over the deprecated `max_tokens`; with neither, generation may run to
 the context limit (max_model_len - prompt tokens, as vLLM), or to --default-max-tokens if the server
@@ -26,6 +29,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from linrnn_serve.engine.tokenizer import resolve_chat_template
 from linrnn_serve.parsers import ChatOutputParser, new_call_id
+from linrnn_serve.parsers.reasoning import gate_constraint, starts_in_reasoning
 from linrnn_serve.sampling_params import SamplingParams
 from linrnn_server.engine_client import EngineClient
 from linrnn_server.errors import APIError, bad_request, from_engine_error, internal
@@ -83,12 +87,12 @@ class ChatRun:
     tool_parser: str | None
 
     def parser(self) -> ChatOutputParser:
-        # a JSON grammar constrains the output from its first token, so that answer is never inside a <think>
-        # block, even when the template opened one: parse it as content (the grammar does not wait for the end
-        # of the reasoning, unlike vLLM's; regex / grammar constraints may write their own <think> block)
+        # a constraint normally waits for the end of the reasoning (prepare_chat: gate_constraint); with
+        # --structured-outputs-config '{"enable_in_reasoning": true}' a JSON grammar constrains the output
+        # from its first token, so that answer is never inside a <think> block: parse it as content
         so = self.params.structured_outputs
-        reasoning = None if so is not None and so.kind() in ("json", "json_object") and \
-            self.reasoning_parser in ("qwen3", "deepseek_r1") and _opens_thinking(self) else self.reasoning_parser
+        reasoning = None if so is not None and so.reasoning_end is None and so.kind() in ("json", "json_object") \
+            and starts_in_reasoning(self.reasoning_parser, self.prompt_text) else self.reasoning_parser
         return ChatOutputParser(reasoning, self.tool_parser if self.tools.mode == "auto" else None,
                                 self.tools.tools, self.prompt_text)
 
@@ -118,13 +122,10 @@ async def prepare_chat(eng: EngineClient, req: ChatCompletionRequest) -> ChatRun
                                   req.add_generation_prompt, req.continue_final_message, kwargs, tools=tools.tools,
                                   chat_template=template, documents=req.documents)
     ids = await eng.encode_async(text, add_special_tokens=False, param="messages", reserve=reserve)
+    if tools.constraint is None:  # a forced tool call (required / named) is constrained from the first token
+        params.structured_outputs = gate_constraint(params.structured_outputs, _get(cfg, "reasoning_parser"), text,
+                                                    bool(_get(cfg, "structured_outputs_enable_in_reasoning")))
     return ChatRun(ids, params, text, tools, _get(cfg, "reasoning_parser"), _get(cfg, "tool_call_parser"))
-
-
-def _opens_thinking(run: "ChatRun") -> bool:
-    from linrnn_serve.parsers.reasoning import prompt_opens_thinking
-
-    return run.reasoning_parser == "deepseek_r1" or prompt_opens_thinking(run.prompt_text)
 
 
 def _get(cfg, name):
