@@ -18,6 +18,15 @@ Two numbers per batch size:
           over every decode-only step of the run (the mean batch is reported beside it)
 Prefill steps are left out. Mean and median are both given for `bare`: on a loaded shared machine
 the mean carries the scheduler's preemptions of this process.
+
+Structured output (`--structured`, bare only): the same batch free, then with every sequence under
+batched.STRUCTURED_SCHEMA (a JSON array of integers: never completes, so every step fills a real
+grammar mask; the stub's mask step takes each row's lowest allowed token: `[-0,-0,...`). Per step:
+the whole host time, the part spent in the grammar callback (`fill`: queued tokens fed to the matchers +
+the bitmask rows; on a GPU it runs while the forward is queued, runner/model_runner.py), the stubbed
+mask step (device work on a GPU, one graph replay) and the rest ("exposed": what the GPU would wait for;
+it counts the mask's host -> "device" copy, an asynchronous DMA on a GPU). `--model qwen35moe-nvfp4` gives the 248k-token vocabulary of
+the GPU bench (the stub loads no weights, so the weights-fit check is skipped; the caches are real).
 """
 from __future__ import annotations
 
@@ -61,6 +70,19 @@ class StubRunner(ModelRunner):
         ids = self._decode_input_ids(b)
         self._publish(b, (ids * 7 + 13) % (hi - lo) + lo)
 
+    def _mask_static(self, b: int) -> None:
+        """The grammar mask's device part, stubbed like the forward (on a GPU it is one graph replay): each
+        constrained row takes its lowest allowed token; free rows (all ones) keep the stub's token."""
+        t0 = time.perf_counter()
+        words = self._mask[:b]
+        w = words.ne(0).int().argmax(1)
+        word = words.gather(1, w[:, None]).squeeze(1).long() & 0xFFFFFFFF
+        tok = w.long() * 32 + torch.log2((word & -word).double()).long()
+        self.greedy_buf[:b].copy_(torch.where(words.eq(-1).all(1), self.greedy_buf[:b], tok))
+        self.mask_device_s += time.perf_counter() - t0  # device work on a GPU: not host cost
+
+    mask_device_s = 0.0
+
 
 class StubWorker(Worker):
     def load_model(self, calibration_tokens=None) -> None:
@@ -79,43 +101,83 @@ class StubExecutor(UniProcExecutor):
     worker_cls = StubWorker
 
 
-def engine_config(batch: int, tokens: int, executor: str = STUB):
+def engine_config(batch: int, tokens: int, executor: str = STUB, model: str = "default"):
     from linrnn_serve.config import EngineConfig
 
-    return EngineConfig(model="default", executor=executor, max_num_seqs=max(batch, 1),
-                        max_num_batched_tokens=max(2048, batch), max_model_len=tokens + 64)
+    return EngineConfig(model=model, load_format="dummy" if model != "default" else "auto", executor=executor,
+                        max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch), max_model_len=tokens + 64)
 
 
 PROMPT = [1000, 2000, 3000, 4000]
 
 
 # ---- bare: the core in this process ----------------------------------------------------------------
-def bench_bare(batch: int, tokens: int) -> dict:
-    from linrnn_serve.engine.core import EngineCore
+def _engine(batch: int, tokens: int, model: str):
+    from linrnn_serve.engine import llm_engine
     from linrnn_serve.engine.llm_engine import LLMEngine
-    from linrnn_serve.engine.protocol import AddRequest, StepOutputs, encoder
-    from linrnn_serve.sampling_params import SamplingParams
 
-    eng = LLMEngine(engine_config(batch, tokens), progress=False)
+    if model != "default":  # the stub loads no weights: a big model's weights-fit check does not apply
+        llm_engine.check_weights_fit = lambda *a, **k: None
+    return LLMEngine(engine_config(batch, tokens, model=model), progress=False)
+
+
+def bench_bare(batch: int, tokens: int, eng=None, structured: bool = False) -> dict:
+    from linrnn_serve.engine.core import EngineCore
+    from linrnn_serve.engine.protocol import AddRequest, StepOutputs, encoder
+    from linrnn_serve.sampling_params import SamplingParams, StructuredOutputsParams
+    from linrnn_bench.batched import STRUCTURED_SCHEMA
+
+    eng = eng or _engine(batch, tokens, "default")
     eng.detokenize_all = False
     core = EngineCore(eng)
     gc.collect()
     gc.freeze()  # as the core process does
-    p = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    so = StructuredOutputsParams(json=STRUCTURED_SCHEMA) if structured else None
+    p = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, structured_outputs=so)
+    fill_s = [0.0]
+    fill = eng.structured.fill
+
+    def timed_fill(host, seq_ids):  # the grammar callback: on a GPU it runs while the forward is queued
+        t = time.perf_counter()
+        fill(host, seq_ids)
+        fill_s[0] += time.perf_counter() - t
+
+    eng.structured.fill = timed_fill
     for i in range(batch):
-        core.add(AddRequest(f"r{i}", PROMPT, p, time.monotonic()))
-    times = []
-    while eng.has_unfinished_requests():
-        t0 = time.perf_counter()
-        deltas = core.step()
-        encoder.encode(StepOutputs(deltas))
-        t1 = time.perf_counter()
-        plan = eng.last_plan
-        if plan.decode and not plan.prefill and len(plan.decode) == batch:
-            times.append(t1 - t0)
-    times = times[len(times) // 8:]  # warm-up
+        core.add(AddRequest(f"r{i}-{int(structured)}", PROMPT, p, time.monotonic()))
+    runner = eng.executor.worker.runner
+    times, fills, devs = [], [], []
+    try:
+        while eng.has_unfinished_requests():
+            fill_s[0] = runner.mask_device_s = 0.0
+            t0 = time.perf_counter()
+            deltas = core.step()
+            encoder.encode(StepOutputs(deltas))
+            t1 = time.perf_counter()
+            plan = eng.last_plan
+            if plan.decode and not plan.prefill and len(plan.decode) == batch:
+                times.append(t1 - t0)
+                fills.append(fill_s[0])
+                devs.append(runner.mask_device_s)
+    finally:
+        del eng.structured.fill
+    k = len(times) // 8  # warm-up
+    times, fills, devs = times[k:], fills[k:], devs[k:]
+    exposed = sorted(t - f - d for t, f, d in zip(times, fills, devs))
+    fills.sort()
+    devs.sort()
     times.sort()
-    return {"steps": len(times), "mean_ms": 1e3 * sum(times) / len(times), "median_ms": 1e3 * times[len(times) // 2]}
+    med = len(times) // 2
+    return {"steps": len(times), "mean_ms": 1e3 * sum(times) / len(times), "median_ms": 1e3 * times[med],
+            "fill_median_ms": 1e3 * fills[med], "mask_device_median_ms": 1e3 * devs[med],
+            "exposed_median_ms": 1e3 * exposed[med]}
+
+
+def bench_structured(batch: int, tokens: int, model: str) -> dict:
+    """The same engine and batch: free, then every row under a JSON grammar."""
+    eng = _engine(batch, tokens, model)
+    return {"batch": batch, "model": model, "vocab_size": eng.model_config.vocab_size,
+            "free": bench_bare(batch, tokens, eng), "constrained": bench_bare(batch, tokens, eng, structured=True)}
 
 
 # ---- served: core process + API server + streaming clients ----------------------------------------
@@ -194,12 +256,16 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="1,128")
     ap.add_argument("--tokens", type=int, default=1024, help="output tokens per request")
     ap.add_argument("--out", default=None, help="folder for host_overhead.json / .md")
+    ap.add_argument("--structured", action="store_true", help="bare only: free vs every row JSON-constrained")
+    ap.add_argument("--model", default="default", help="with --structured: e.g. qwen35moe-nvfp4 (248k vocabulary)")
     ap.add_argument("--clients", default=None, help=argparse.SUPPRESS)  # internal: run the clients against URL
     a = ap.parse_args(argv)
     if a.clients:
         print(json.dumps(asyncio.run(_clients(a.clients, int(a.batch), a.tokens))))
         return 0
     torch.set_num_threads(1)
+    if a.structured:
+        return _main_structured(a, argv)
     rows = []
     for b in [int(x) for x in a.batch.split(",")]:
         bare = bench_bare(b, a.tokens)
@@ -228,6 +294,46 @@ def main(argv=None) -> int:
                 f.write(f"| {r['batch']} | {r['bare']['mean_ms']:.3f} / {r['bare']['median_ms']:.3f} | "
                         f"{r['served']['mean_ms']:.3f} / {r['served']['median_ms']:.3f} | {r['bare']['steps']} / "
                         f"{r['served']['steps']} |\n")
+    return 0
+
+
+def _env(argv) -> dict:
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(), "torch": torch.__version__,
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python -m linrnn_bench.host_overhead " + " ".join(argv if argv is not None else sys.argv[1:])}
+
+
+def _main_structured(a, argv) -> int:
+    rows = []
+    for b in [int(x) for x in a.batch.split(",")]:
+        r = bench_structured(b, a.tokens, a.model)
+        rows.append(r)
+        f, c = r["free"], r["constrained"]
+        print(f"B={b:4d} {a.model} (vocab {r['vocab_size']}): free {f['median_ms']:.3f} ms/step; JSON-constrained "
+              f"{c['median_ms']:.3f} ms/step, of which grammar fill {c['fill_median_ms']:.3f} (overlaps the "
+              f"forward on a GPU), stubbed mask device work {c['mask_device_median_ms']:.3f}, exposed {c['exposed_median_ms']:.3f} (+{c['exposed_median_ms'] - f['median_ms']:.3f} "
+              f"vs free); medians of {c['steps']} steps", flush=True)
+    env = _env(argv)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "host_structured.json"), "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+        with open(os.path.join(a.out, "host_structured.md"), "w") as f:
+            f.write("# Host time per decode step with grammar masks, stubbed forward (CPU)\n\n")
+            f.write(f"`{env['command']}` at {env['commit']}, {env['date']}, {env['cores']} cores "
+                    f"(1-min load average {env['load_avg_1m']:.1f}), torch {env['torch']}\n\n")
+            f.write("| B | model (vocab) | free ms/step | constrained ms/step | of which grammar fill (overlapped "
+                    "on a GPU) | stubbed mask (device work on a GPU) | exposed host | exposed - free |\n"
+                    "|---|---|---|---|---|---|---|---|\n")
+            for r in rows:
+                fr, c = r["free"], r["constrained"]
+                f.write(f"| {r['batch']} | {r['model']} ({r['vocab_size']}) | {fr['median_ms']:.3f} | "
+                        f"{c['median_ms']:.3f} | {c['fill_median_ms']:.3f} | {c['mask_device_median_ms']:.3f} | "
+                        f"{c['exposed_median_ms']:.3f} | "
+                        f"{c['exposed_median_ms'] - fr['median_ms']:+.3f} |\n")
     return 0
 
 
