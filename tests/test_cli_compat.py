@@ -187,3 +187,33 @@ def test_max_model_len_above_the_model_limit_is_refused(monkeypatch):
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     with pytest.raises(ValueError, match="exceeds the model's limit.*LINRNN_ALLOW_LONG_MAX_MODEL_LEN=1"):
         LLMEngine(EngineArgs(model="tiny", max_model_len="1M", device="cpu").create_engine_config(), progress=False)
+
+
+def test_every_way_of_naming_the_model_serves_the_same(monkeypatch):
+    """`linrnn-serve X`, `linrnn-serve --model X`, `linrnn-serve serve X`, `linrnn-serve serve --model X`
+    (through the console script's dispatch) give the same engine and server settings."""
+    from linrnn_serve import cli as top
+
+    got = []
+    monkeypatch.setattr(cli, "run", lambda args: got.append((cli.engine_config(args), vars(args))) or 0)
+    flags = ["--max-model-len", "4k", "-tp", "1", "--dtype", "half", "--disable-log-stats"]
+    for argv in (["tiny"], ["--model", "tiny"], ["serve", "tiny"], ["serve", "--model", "tiny"]):
+        assert top.main(argv + flags) == 0
+    configs = [c for c, _ in got]
+    assert len(configs) == 4 and all(c == configs[0] for c in configs)
+    assert configs[0].model == "tiny" and configs[0].max_model_len == 4000 and configs[0].dtype == "float16"
+    # the server's own flags too; the model arrives as the positional MODEL or as --model
+    ns = [{k: v for k, v in a.items() if k not in ("model", "model_tag")} for _, a in got]
+    assert all(n == ns[0] for n in ns) and [a["model_tag"] or a["model"] for _, a in got] == ["tiny"] * 4
+
+
+def test_structured_outputs_config():
+    assert config().structured_outputs_enable_in_reasoning is False
+    c = config("--structured-outputs-config", '{"backend": "xgrammar", "enable_in_reasoning": true}')
+    assert c.structured_outputs_enable_in_reasoning is True
+    with pytest.raises(ValueError, match="backend 'outlines' is not available"):
+        config("--structured-outputs-config", '{"backend": "outlines"}')
+    with pytest.raises(ValueError, match=r"keys \['disable_fallback'\] are not supported"):
+        config("--structured-outputs-config", '{"disable_fallback": true}')
+    with pytest.raises(SystemExit):
+        parse("--structured-outputs-config", "[1]")

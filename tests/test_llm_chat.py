@@ -13,7 +13,8 @@ TEMPLATE = str(Path(__file__).parent / "qwen_like_template.jinja")
 
 def test_llm_chat_reasoning_and_tools(capsys):
     llm = LLM("tiny", progress=False, device="cpu", chat_template=TEMPLATE, reasoning_parser="qwen3",
-              enable_auto_tool_choice=True, tool_call_parser="qwen3_coder", max_model_len="2k")
+              enable_auto_tool_choice=True, tool_call_parser="qwen3_coder", max_model_len="2k",
+              structured_outputs_config={"enable_in_reasoning": True})  # the script below forces the thinking too
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     forced = SamplingParams(temperature=0, max_tokens=128,
                             structured_outputs=StructuredOutputsParams(regex=literal(CODER_CALL)))
