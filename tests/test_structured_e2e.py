@@ -3,8 +3,10 @@ arrays, enums, bounded numbers), streaming and not, greedy and temperature 1, al
 `jsonschema`; regex and choice likewise; a batch mixing constrained and free requests leaves the free
 ones' greedy output as it is alone.
 
-The default run uses the tiny model (fast on CPU); LINRNN_STRUCTURED_MODEL=default runs the same
-tests on the embedded default model (slow on CPU: the NVFP4 experts are dequantized every step).
+They run on the embedded default model (the acceptance line's model; LINRNN_STRUCTURED_MODEL=tiny for a
+quick run), one server for the module. The default run sends every schema once, the four (stream,
+temperature) combinations taking turns (five schemas each); `pytest -m slow tests/test_structured_e2e.py`
+also runs all 20 x 4.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from test_server_e2e import ServerProcess
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-MODEL = os.environ.get("LINRNN_STRUCTURED_MODEL", "tiny")
+MODEL = os.environ.get("LINRNN_STRUCTURED_MODEL", "default")
+MODES = [(stream, temp) for temp in (0.0, 1.0) for stream in (False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -49,26 +52,35 @@ async def _chat(c, stream: bool, **kw) -> str:
     return text
 
 
-def test_twenty_json_schemas_streaming_and_not_greedy_and_sampled(server):
+def _check_schemas(server, cases: list[tuple[int, bool, float]]) -> None:
     async def run():
         c = _client(server)
-        jobs, keys = [], []
-        for i, schema in enumerate(SCHEMAS):
-            for stream in (False, True):
-                for temp in (0.0, 1.0):
-                    rf = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
-                    jobs.append(_chat(c, stream, response_format=rf, temperature=temp, seed=i, max_tokens=64))
-                    keys.append((i, stream, temp))
-        return keys, await asyncio.gather(*jobs)
+        jobs = []
+        for i, stream, temp in cases:
+            rf = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i]}}
+            jobs.append(_chat(c, stream, response_format=rf, temperature=temp, seed=i, max_tokens=64))
+        return await asyncio.gather(*jobs)
 
-    keys, texts = asyncio.run(run())
+    texts = asyncio.run(run())
     bad = []
-    for (i, stream, temp), text in zip(keys, texts):
+    for (i, stream, temp), text in zip(cases, texts):
         try:
             jsonschema.validate(json.loads(text), SCHEMAS[i])
         except (json.JSONDecodeError, jsonschema.ValidationError) as e:
             bad.append(f"schema {i} stream={stream} T={temp}: {text!r} ({str(e)[:60]})")
     assert not bad, "\n".join(bad)
+
+
+def test_twenty_json_schemas_each_once_modes_in_turn(server):
+    assert len(SCHEMAS) == 20
+    _check_schemas(server, [(i, *MODES[i % 4]) for i in range(len(SCHEMAS))])
+
+
+@pytest.mark.slow
+def test_twenty_json_schemas_streaming_and_not_greedy_and_sampled(server, request):
+    if "slow" not in (request.config.option.markexpr or ""):
+        pytest.skip("all 20 x 4 on the default model: `pytest -m slow tests/test_structured_e2e.py`")
+    _check_schemas(server, [(i, stream, temp) for i in range(len(SCHEMAS)) for stream, temp in MODES])
 
 
 def test_regex_choice_json_object_and_mixed_batch(server):
