@@ -3,10 +3,8 @@ arrays, enums, bounded numbers), streaming and not, greedy and temperature 1, al
 `jsonschema`; regex and choice likewise; a batch mixing constrained and free requests leaves the free
 ones' greedy output as it is alone.
 
-They run on the embedded default model (the acceptance line's model; LINRNN_STRUCTURED_MODEL=tiny for a
-quick run), one server for the module. The default run sends every schema once, the four (stream,
-temperature) combinations taking turns (five schemas each); `pytest -m slow tests/test_structured_e2e.py`
-also runs all 20 x 4.
+They run on the embedded default model (the acceptance line's model; LINRNN_STRUCTURED_MODEL=tiny
+picks another), one server for the module, all 80 schema requests in one concurrent batch.
 """
 from __future__ import annotations
 
@@ -71,15 +69,9 @@ def _check_schemas(server, cases: list[tuple[int, bool, float]]) -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_twenty_json_schemas_each_once_modes_in_turn(server):
+def test_twenty_json_schemas_streaming_and_not_greedy_and_sampled(server):
+    """All 20 x 4 at once (one batch: ~30 s on the CPU with the default model)."""
     assert len(SCHEMAS) == 20
-    _check_schemas(server, [(i, *MODES[i % 4]) for i in range(len(SCHEMAS))])
-
-
-@pytest.mark.slow
-def test_twenty_json_schemas_streaming_and_not_greedy_and_sampled(server, request):
-    if "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("all 20 x 4 on the default model: `pytest -m slow tests/test_structured_e2e.py`")
     _check_schemas(server, [(i, stream, temp) for i in range(len(SCHEMAS)) for stream, temp in MODES])
 
 

@@ -220,3 +220,13 @@ def test_engine_thinking_is_free_and_the_answer_is_constrained(scripted_engine):
     obj = json.loads(ungated)  # from the first token: no room for the thinking
     assert isinstance(obj["ok"], bool)
     eng.check_integrity()
+
+
+def test_constraint_crosses_the_core_wire():
+    """The API server sends the gated constraint to the engine core process (msgspec): nothing is lost."""
+    from linrnn_serve.engine.protocol import AddRequest, client_decoder, encoder
+
+    p = SamplingParams(temperature=0, allowed_token_ids=[5, 6], structured_outputs=StructuredOutputsParams(
+        json=SCHEMA, reasoning_end="</think>"))
+    got = client_decoder.decode(encoder.encode(AddRequest("r", [1, 2], p, 0.0)))
+    assert got.params.structured_outputs == p.structured_outputs and got.params.allowed_token_ids == [5, 6]
