@@ -42,11 +42,21 @@ def _so(tok, V):
     return StructuredOutputs(tok, V, list(tok.eos_token_ids))
 
 
-def test_batched_fill_and_accept_match_one_matcher_per_sequence(tok):
+class _RefusingBatch:
+    def batch_fill_next_token_bitmask(self, *a):
+        raise RuntimeError("bitmask buffer refused")
+
+
+@pytest.mark.parametrize("batch_fill", ["xgrammar", "fallback"])
+def test_batched_fill_and_accept_match_one_matcher_per_sequence(tok, batch_fill):
     """Random walks through three grammars (+ free and allowed-only rows): every step's mask equals a plain
-    xgrammar matcher's, fed by id; padded ids of the model vocabulary are never allowed."""
+    xgrammar matcher's, fed by id; padded ids of the model vocabulary are never allowed. `fallback`: the
+    batch fill refuses the buffer, the rows are filled one by one."""
     V = 8192 + 300  # the model's vocabulary padded beyond the tokenizer's, as real checkpoints are
     so = _so(tok, V)
+    so._get_compiler()
+    if batch_fill == "fallback":
+        so._batch = _RefusingBatch()
     kinds = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=r"[a-c]{2,5}-[0-9]{1,3}"),
              StructuredOutputsParams(choice=["alpha", "beta", "gamma"]), None, None]
     allowed = list(range(30, 400))

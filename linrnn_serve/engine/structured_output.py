@@ -243,12 +243,24 @@ class StructuredOutputs:
         if free:  # one numpy fancy-index store: no per-row dispatch, no OpenMP wake-ups (torch's fill_ on a
             host.numpy()[free] = -1  # loaded host spiked to ms)
         if matchers:
-            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+            self._fill_rows(matchers, host, rows)
         for i, c in masked:
             if c.grammar_on:
                 host[i].bitwise_and_(c.allowed)
             else:
                 host[i].copy_(c.allowed)
+
+    def _fill_rows(self, matchers, host: torch.Tensor, rows: list[int]) -> None:
+        if self._batch is not None:
+            try:
+                self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+                return
+            except (RuntimeError, ValueError, TypeError) as e:  # e.g. a bitmask buffer kind it refuses
+                log.warning("xgrammar's batch fill failed (%s: %s); filling row by row from now on",
+                            type(e).__name__, e)
+                self._batch = None
+        for m, i in zip(matchers, rows):
+            m.fill_next_token_bitmask(host, i)
 
 
 def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
