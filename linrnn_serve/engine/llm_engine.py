@@ -10,8 +10,11 @@ counts each sequence's sampled-but-unseen token (Sequence.num_inflight); a decod
 is still on the device is fed from it there (ModelRunner.slot_ids). A stop (EOS, stop string) found in
 step N's tokens finishes the sequence one step late: the token step N+1 sampled for it is dropped and
 its slot and blocks are reused only by work queued after step N+1 on the same stream. Steps whose
-sampling needs the previous token on the host (penalties, multi-token bad words, grammars) and
-`capture_logits` run synchronously. Greedy and seeded outputs are the same either way.
+sampling needs the previous token on the host (penalties, multi-token bad words) and `capture_logits`
+run synchronously. Grammar-constrained steps overlap too, as in vLLM: step N+1's grammar callback runs
+once its forward is queued, waits there for step N's sampled ids (already copied by then: step N's
+sampling precedes step N+1's forward on the stream), feeds them to the matchers and fills the masks
+while the GPU computes. Greedy and seeded outputs are the same either way.
 
 Construction: resolve the model (presets or a checkpoint directory) -> tokenizer -> the Executor
 (engine/executor.py) builds its workers (runner/worker.py: load weights, pick the f32/bf16 state
@@ -127,6 +130,7 @@ class LLMEngine:
             self.executor.supports_async
         self._inflight = None  # (plan, pending step) launched and not yet postprocessed
         self._host_token_reqs: set[str] = set()  # requests whose sampling reads their previous tokens on the host
+        self._accepted = None  # the last step whose sampled tokens went to the grammar matchers
 
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in cfg.eos_token_id if e not in eos]
@@ -272,7 +276,7 @@ class LLMEngine:
     def _needs_host_tokens(self, p: SamplingParams) -> bool:
         """Sampling that reads the sequence's previous tokens on the host: such steps are not overlapped."""
         return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                    or any(len(w) > 1 for w in p.bad_words_token_ids or ()) or self.structured.needs(p))
+                    or any(len(w) > 1 for w in p.bad_words_token_ids or ()))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request; returns its final output (finish_reason 'abort'), None if unknown/finished."""
@@ -319,11 +323,28 @@ class LLMEngine:
             constrained = self.structured.constraints
             if constrained and (any(r.sampling.seq_id in constrained for r in plan.decode) or any(
                     s.seq_id in constrained for r in plan.prefill for s in r.samples)):
-                plan.fill_bitmask = self.structured.fill
+                plan.fill_bitmask = self._grammar_fill(done)
             self._inflight = (plan, self.executor.execute_async(plan))
             if sync:
                 return self._complete(self._take_inflight())
         return self._complete(done) if done is not None else []
+
+    def _grammar_fill(self, inflight):
+        """The step's bitmask callback (the runner calls it once the forward is queued): the tokens of the
+        step still in flight, if any, reach the matchers first (its result waits for its ids' copy)."""
+        def fill(host, seq_ids):
+            if inflight is not None:
+                self._accept_sampled(inflight[1])
+            self.structured.fill(host, seq_ids)
+        return fill
+
+    def _accept_sampled(self, pending) -> None:
+        """Queue a step's sampled tokens for the grammar matchers, once per step."""
+        if pending is self._accepted or not self.structured.constraints:
+            return
+        self._accepted = pending
+        for sid, tok in pending.result().sampled.items():
+            self.structured.accept(sid, tok.token_id)
 
     def _take_inflight(self):
         x, self._inflight = self._inflight, None
@@ -341,9 +362,7 @@ class LLMEngine:
             self._log_logits()
         now = time.monotonic()
         constrained = self.structured.constraints
-        if constrained:
-            for sid, tok in result.sampled.items():
-                self.structured.accept(sid, tok.token_id)
+        self._accept_sampled(pending)
         reqs = self.scheduler.postprocess(plan, result, now)
         self.num_steps += 1
         for req in reqs:
