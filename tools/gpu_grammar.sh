@@ -18,7 +18,7 @@ echo "rc $?" >> $R/tests.log
 tail -3 $R/tests.log; grep -E "^(FAILED|ERROR)|assert" $R/tests.log | head -8
 el "tests done"
 echo "== 2. grammar-mask cost, bench batched npl 32"
-timeout 100 python3 -m linrnn_serve bench batched --model qwen35moe-nvfp4 --load-format dummy --npp 128 --ntg 64 \
+timeout 90 python3 -m linrnn_serve bench batched --model qwen35moe-nvfp4 --load-format dummy --npp 128 --ntg 64 \
   --npl 32 --structured-output --no-progress --out $R/batched_so > $R/batched_so.log 2>&1
 python3 - "$R/batched_so/batched.json" <<'PY'
 import json, sys
@@ -37,7 +37,7 @@ PY
 grep -E "Error|Traceback" $R/batched_so.log | head -3
 el "bench done"
 echo "== 3. host time per decode step, stubbed forward (this host's CPU)"
-timeout 80 python3 -m linrnn_bench.host_overhead --structured --batch 32 --tokens 256 --model qwen35moe-nvfp4 \
+timeout 60 python3 -m linrnn_bench.host_overhead --structured --batch 32 --tokens 256 --model qwen35moe-nvfp4 \
   --out $R/host > $R/host.log 2>&1
 tail -2 $R/host.log
 el "host done"
