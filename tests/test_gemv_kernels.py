@@ -418,3 +418,41 @@ def test_gpu_graph_replay_is_bit_identical():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+_SMEM_PROBE = r"""
+import torch, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from linrnn_kernels.gemv import config, skinny
+fn = skinny._skinny_gemm_kernel
+cfg = config.skinny_config(32, 64, 128, "dense", torch.device("cpu"))  # the default dot config at 32 rows
+x = torch.empty(32, 128, dtype=torch.float32)
+cex = dict(PRO=0, EPI=1, HAS_RES=0, ROW_NORM=0, HAS_SCALE=0, HEAD=1, SPLIT_MAX=1, USE_DOT=1, RM=32, KCP=1, KC=2,
+           ADD_GROUP=1, ADD_SPLITS=0, COMPUTE=tl.float32, BLOCK_M=32, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+           BLOCK_R=1024, EVEN_K=1, PDL=0)
+sig, consts, attrs = {}, {}, {}
+for i, name in enumerate(fn.arg_names):
+    if name in cex:
+        sig[name], consts[(i,)] = "constexpr", cex[name]
+    elif name in ("pro_eps", "norm_eps"):
+        sig[name] = "fp32"
+    elif name in ("M", "N", "K", "K_PER") or (name.startswith("s") and not name.endswith("_ptr")):
+        sig[name] = "i32"
+    else:
+        sig[name] = "*i32" if name == "tick_ptr" else "*fp32"
+k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=cfg.num_warps, num_stages=skinny.pipeline_stages(cfg, x)))
+print("SHARED", k.metadata.shared)
+"""
+
+
+def test_f32_dot_tiles_fit_sm90_shared_memory():
+    """f32 activations with the silu_mul epilogue (2 weight tiles per stage) at the bf16-tuned depth needed
+    245,760 bytes of shared memory on the H200 (limit 232,448: the f32 test model's 32-token prefill graph
+    failed to capture); pipeline_stages halves the depth for 4-byte tiles."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _SMEM_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    line = [s for s in out.stdout.splitlines() if s.startswith("SHARED")]
+    assert line, out.stderr[-3000:]
+    assert int(line[0].split()[1]) <= 232448

@@ -29,6 +29,7 @@ from linrnn_kernels.gemv.skinny import (
     _split_reduce,
     gdc_launch_dependents,
     gdc_wait,
+    pipeline_stages,
     tickets,
 )
 from linrnn_kernels.moe.align import max_padded_pairs
@@ -224,7 +225,7 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, EVEN_K=K % cfg.block_k == 0,
             HAS_SHARED=shared_w13 is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(x))
+            num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
     else:
         num_padded.zero_()
         expert_ids.fill_(-1)
