@@ -141,21 +141,14 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_split = tl.num_programs(1)
-    if HAS_SHARED:
-        if pid_n >= n_tiles_r:
-            # the shared expert's gate_up tiles (same input x): SiLU(gate) * up into h, with own tickets
-            _skinny_program(pid_n - n_tiles_r, pid_k, tl.num_programs(0) - n_tiles_r, n_split,
-                            x_ptr, sx, x_ptr, 0, 1, x_ptr, w13_ptr, sw13, ws13_ptr, ws13_ptr,
-                            tick_ptr + n_tiles_r + 1, ws13_ptr, h_ptr, sh, x_ptr, 0, 0, x_ptr, 0, x_ptr, 0, x_ptr, x_ptr, 0,
-                            M, NI, K, K_PER, 0.0, 0.0, x_ptr, x_ptr, 0, x_ptr, 0,
-                            0, 1, False, False, 2, False, 1, SPLIT_MAX, USE_DOT, COMPUTE,
-                            BLOCK_M, BLOCK_N, BLOCK_K, 16, EVEN_K, 1, 1, 1, 0)
-        else:
-            _router_program(pid_n, pid_k, n_tiles_r, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
-                            tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
-                            M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_MAX, USE_DOT, COMPUTE,
-                            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
-                            EVEN_K)
+    if HAS_SHARED and pid_n >= n_tiles_r:
+        # the shared expert's gate_up tiles (same input x): SiLU(gate) * up into h, with own tickets
+        _skinny_program(pid_n - n_tiles_r, pid_k, tl.num_programs(0) - n_tiles_r, n_split,
+                        x_ptr, sx, x_ptr, 0, 1, x_ptr, w13_ptr, sw13, ws13_ptr, ws13_ptr,
+                        tick_ptr + n_tiles_r + 1, ws13_ptr, h_ptr, sh, x_ptr, 0, 0, x_ptr, 0, x_ptr, 0, x_ptr, x_ptr, 0,
+                        M, NI, K, K_PER, 0.0, 0.0, x_ptr, x_ptr, 0, x_ptr, 0,
+                        0, 1, False, False, 2, False, 1, SPLIT_MAX, USE_DOT, COMPUTE,
+                        BLOCK_M, BLOCK_N, BLOCK_K, 16, EVEN_K, 1, 1, 1, 0)
     else:
         _router_program(pid_n, pid_k, n_tiles_r, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                         tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
