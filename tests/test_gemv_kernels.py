@@ -188,7 +188,27 @@ def test_switches(monkeypatch, tmp_path):
     assert gcfg.skinny_config(2, 2048, 4096, "dense", None) == gcfg.SkinnyConfig(64, 128, 4, 4, 2, False)
 
 
-_COMPILE_PROBE = r"""
+_SKINNY_SIGNATURE = r"""
+def skinny_signature(fn, cex, act):
+    # (signature, constexprs, attributes) of _skinny_gemm_kernel for triton.compile: activations and weights
+    # of type `act`, f32 workspaces, widths and row strides multiples of 16 as in the model
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in cex:
+            sig[name], consts[(i,)] = "constexpr", cex[name]
+        elif name in ("pro_eps", "norm_eps"):
+            sig[name] = "fp32"
+        elif name in ("M", "N", "K", "K_PER") or (name.startswith("s") and not name.endswith("_ptr")):
+            sig[name] = "i32"
+            if name != "M":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "*fp32" if name in ("ws_ptr", "rs_ptr", "sumsq_ptr") else "*i32" if name == "tick_ptr" else act
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+"""
+
+_COMPILE_PROBE = _SKINNY_SIGNATURE + r"""
 import re, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -199,19 +219,7 @@ for (pro, epi, res, norm, dot, split, bm, pdl) in [(0, 0, 0, 0, 0, 4, 1, 0), (2,
     cex = dict(PRO=pro, EPI=epi, HAS_RES=res, ROW_NORM=norm, HAS_SCALE=0, HEAD=128, SPLIT_MAX=split, USE_DOT=dot, RM=bm, KCP=4, KC=4, ADD_GROUP=8, ADD_SPLITS=2 if epi == 2 else 0,
                COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=16 if dot else 32, BLOCK_K=256 if bm == 1 else 128,
                BLOCK_R=1024, EVEN_K=1, PDL=pdl)
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in cex:
-            sig[name], consts[(i,)] = "constexpr", cex[name]
-        elif name in ("pro_eps", "norm_eps"):
-            sig[name] = "fp32"
-        elif name in ("M", "N", "K", "K_PER") or (name.startswith("s") and not name.endswith("_ptr")):
-            sig[name] = "i32"
-            if name != "M":  # widths and row strides are multiples of 16 in the model (Triton specializes them)
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "*fp32" if name in ("ws_ptr", "rs_ptr", "sumsq_ptr") else "*i32" if name == "tick_ptr" else "*bf16"
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, consts, attrs = skinny_signature(fn, cex, "*bf16")
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
     ptx = k.asm["ptx"]
@@ -420,7 +428,7 @@ def test_gpu_graph_replay_is_bit_identical():
         assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
 
 
-_SMEM_PROBE = r"""
+_SMEM_PROBE = _SKINNY_SIGNATURE + r"""
 import torch, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -431,16 +439,7 @@ x = torch.empty(32, 128, dtype=torch.float32)
 cex = dict(PRO=0, EPI=1, HAS_RES=0, ROW_NORM=0, HAS_SCALE=0, HEAD=1, SPLIT_MAX=1, USE_DOT=1, RM=32, KCP=1, KC=2,
            ADD_GROUP=1, ADD_SPLITS=0, COMPUTE=tl.float32, BLOCK_M=32, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
            BLOCK_R=1024, EVEN_K=1, PDL=0)
-sig, consts, attrs = {}, {}, {}
-for i, name in enumerate(fn.arg_names):
-    if name in cex:
-        sig[name], consts[(i,)] = "constexpr", cex[name]
-    elif name in ("pro_eps", "norm_eps"):
-        sig[name] = "fp32"
-    elif name in ("M", "N", "K", "K_PER") or (name.startswith("s") and not name.endswith("_ptr")):
-        sig[name] = "i32"
-    else:
-        sig[name] = "*i32" if name == "tick_ptr" else "*fp32"
+sig, consts, attrs = skinny_signature(fn, cex, "*fp32")
 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=cfg.num_warps, num_stages=skinny.pipeline_stages(cfg, x)))
 print("SHARED", k.metadata.shared)
