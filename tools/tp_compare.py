@@ -5,7 +5,7 @@
     LINRNN_TP_SINGLE_DEVICE=1 python -m tools.tp_compare --model DIR --configs tp1,tp2,ep2  # 2 ranks on 1 GPU
 
 Each configuration (tpN: tensor parallel over N ranks, epN: N ranks with expert parallel MoE; a
-trailing e, as in tp2e, turns CUDA graphs off) runs
+trailing e, as in tp2e, turns CUDA graphs off; tp1p perturbs the embedding by one ulp: the noise floor) runs
 in its own process (so the GPUs are free for the next), with a fixed prompt set (random token ids
 of a fixed seed, different lengths) decoded greedily for --max-tokens tokens, logging every step's
 logits. Prints per configuration: streams identical to the baseline (of how many), the first
@@ -17,7 +17,8 @@ Where a stream differs from the baseline, the difference is "explained" when the
 between its token and the other configuration's token at that position is within the logits
 difference there (a near-tie flipped by the summation order); an unexplained difference is a bug.
 `--check REL` exits 1 when a configuration failed, a difference is unexplained or the logits' relative
-error exceeds REL. `--timeout S` ends a configuration after S seconds with SIGTERM to its process group
+error exceeds REL; `--check-floor F` bounds it by F x the perturbed run's (tp1p) error instead: with
+random dummy weights the bf16 model itself amplifies a one-ulp change, so a fixed bound says little. `--timeout S` ends a configuration after S seconds with SIGTERM to its process group
 (every rank then writes its Python stacks into the dump directory, runner/rank_watch.py).
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -36,14 +38,26 @@ import torch
 T_START = time.perf_counter()
 
 
-def parse_config(name: str) -> tuple[int, bool, bool]:
-    """tpN | epN, with a trailing 'e' for CUDA graphs off (e.g. tp2e): (ranks, expert parallel, eager)."""
-    eager = name.endswith("e") and name[:-1] != ""
-    core = name[:-1] if eager else name
-    kind, n = core[:2], core[2:]
-    if kind not in ("tp", "ep") or not n.isdigit() or int(n) < 1:
-        raise ValueError(f"configuration {name!r}: tpN or epN, optionally with a trailing e (eager)")
-    return int(n), kind == "ep", eager
+def parse_config(name: str) -> tuple[int, bool, bool, bool]:
+    """tpN | epN with optional suffixes: e = CUDA graphs off (tp2e), p = the embedding perturbed by one
+    ulp (tp1p: the noise-floor run, one process only) -> (ranks, expert parallel, eager, perturbed)."""
+    m = re.fullmatch(r"(tp|ep)(\d+)([ep]*)", name)
+    if not m or int(m[2]) < 1:
+        raise ValueError(f"configuration {name!r}: tpN or epN, optionally suffixed e (eager) and/or p (perturbed)")
+    kind, n, flags = m[1], m[2], set(m[3])
+    if "p" in flags and int(n) != 1:
+        raise ValueError(f"configuration {name!r}: the perturbed noise-floor run is single-process (tp1p)")
+    return int(n), kind == "ep", "e" in flags, "p" in flags
+
+
+def perturb_one_ulp(w: torch.Tensor, seed: int) -> None:
+    """Move every finite non-zero element of a bf16/f16 tensor by one ulp up or down at random (in place):
+    the smallest change of the model's input that its own arithmetic cannot tell from rounding."""
+    bits = w.data.view(torch.int16)
+    g = torch.Generator(device=w.device).manual_seed(seed)
+    step = torch.randint(0, 2, w.shape, generator=g, device=w.device, dtype=torch.int16) * 2 - 1
+    ok = (w.data != 0) & w.data.isfinite() & (w.data.abs() < 1e30)
+    bits.add_(torch.where(ok, step, torch.zeros_like(step)))
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -58,11 +72,16 @@ def run_one(args) -> None:
     from linrnn_serve.engine.llm_engine import LLMEngine
     from linrnn_serve.sampling_params import SamplingParams
 
-    tp, ep, eager = parse_config(args.one)
+    tp, ep, eager, perturbed = parse_config(args.one)
     eng = LLMEngine.from_engine_args(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
                                      tensor_parallel_size=tp, enable_expert_parallel=ep, max_num_seqs=args.num_prompts,
                                      max_model_len=512, seed=args.seed, progress=False, enforce_eager=eager)
     t_ready = time.perf_counter()
+    if perturbed:  # the graphs read the parameter's memory, so an in-place edit reaches them too
+        embed = next(p for n, p in eng.executor.worker.model.named_parameters() if n.endswith("embed_tokens"))
+        if embed.element_size() != 2:
+            raise SystemExit(f"{args.one}: the one-ulp perturbation needs 16-bit weights, got {embed.dtype}")
+        perturb_one_ulp(embed, args.seed + 1)
     eng.capture_logits = True
     ps = prompts(args.num_prompts, eng.model_config.vocab_size, args.seed)
     for i, p in enumerate(ps):
@@ -146,6 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds per configuration")
     p.add_argument("--check", type=float, default=None, metavar="REL",
                    help="exit 1 on a failed configuration, an unexplained difference or logits rel error > REL")
+    p.add_argument("--check-floor", type=float, default=None, metavar="FACTOR",
+                   help="with a perturbed config (tp1p) among --configs: exit 1 when another config's logits rel "
+                        "error exceeds FACTOR x the perturbed run's (the measured noise floor)")
     p.add_argument("--configs", default="tp1,tp2,ep2")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -187,9 +209,18 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "tp_compare.json"), "w") as f:
         json.dump({"model": args.model, "load_format": args.load_format, "configs": configs, "failed": failed,
                    "report": report, "describe": {c: runs[c]["describe"] for c in ok}}, f, indent=2, default=str)
-    if args.check is not None:
-        bad = failed + [c for c, r in report.items() if r["unexplained"] or
-                        (r["logits_rel_max"] is not None and r["logits_rel_max"] > args.check)]
+    floor_cfg = next((c for c in ok[1:] if parse_config(c)[3]), None)
+    limit = args.check
+    if args.check_floor is not None:
+        if floor_cfg is None or not report[floor_cfg]["logits_rel_max"]:
+            print("CHECK FAILED: --check-floor needs a perturbed configuration (tp1p) that moved the logits")
+            return 1
+        floor = report[floor_cfg]["logits_rel_max"]
+        limit = min(limit, args.check_floor * floor) if limit is not None else args.check_floor * floor
+        print(f"noise floor ({floor_cfg}): logits rel max {floor:.2e}; bound {limit:.2e}")
+    if limit is not None or args.check_floor is not None:
+        bad = failed + [c for c, r in report.items() if c != floor_cfg and (r["unexplained"] or (
+            limit is not None and r["logits_rel_max"] is not None and r["logits_rel_max"] > limit))]
         if bad:
             print(f"CHECK FAILED: {', '.join(bad)}")
             return 1
