@@ -99,6 +99,8 @@ class Sequence:
         self.prefix_node = None  # prefix-cache node it restored from (locked while it runs)
         self.divergence_at: int | None = None  # depth whose state it snapshots (its chunk ends there)
         self.sampling_row: SamplingRow | None = None  # reusable decode sampling row (Scheduler._sampling_row)
+        # the runner's per-slot penalty statistics hold this sequence's tokens (since its last slot assignment)
+        self.penalty_stats_sent = False
         self.max_len: int | None = None  # prompt + output limit (Scheduler.max_len_for), set at add
 
     @property
@@ -335,8 +337,10 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             seq.slot = self.slots.alloc()
+            seq.penalty_stats_sent = False
             for c in seq.pending_children:
                 c.slot = self.slots.alloc()
+                c.penalty_stats_sent = False
             seq.prefix_node = m.node
             seq.blocks = list(m.blocks)
             for b in seq.blocks:
@@ -524,19 +528,21 @@ class Scheduler:
                           presence_penalty=p.presence_penalty,
                           frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
                           logprobs=p.logprobs, logit_bias=p.logit_bias or None)
-        if row.presence_penalty or row.frequency_penalty or row.repetition_penalty != 1.0:
+        if (row.presence_penalty or row.frequency_penalty or row.repetition_penalty != 1.0) and \
+                not seq.penalty_stats_sent:  # the first row in this slot: the runner builds the slot's statistics
             row.output_token_ids = seq.output_token_ids
-            if row.repetition_penalty != 1.0:
-                row.prompt_token_ids = seq.group.prompt_token_ids
+            row.prompt_token_ids = seq.group.prompt_token_ids if row.repetition_penalty != 1.0 else []
+            seq.penalty_stats_sent = True
         banned: set[int] = set()
         if num_output < p.min_tokens:
             banned = set(p.stop_token_ids)
             if not p.ignore_eos:
                 banned |= self.eos_token_ids
         if p.bad_words_token_ids:  # vLLM: ban a bad word's last token where its other tokens just came
-            out = seq.output_token_ids
+            toks, n_out = seq.token_ids, seq.num_output  # (compared in place: no copy of the output)
             for w in p.bad_words_token_ids:
-                if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1]):
+                k = len(w) - 1
+                if k == 0 or (n_out >= k and toks[len(toks) - k:] == w[:-1]):
                     banned.add(w[-1])
         if banned:
             row.banned_token_ids = sorted(banned)

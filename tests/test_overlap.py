@@ -157,6 +157,38 @@ def test_engine_seeded_overlapped_is_batch_invariant(make_engine):
     assert eng.stats()["num_preemptions_total"] > 0
 
 
+def penalised_workload(seed=7):
+    """mixed_workload with presence / frequency / repetition penalties on most requests (and n > 1)."""
+    work = mixed_workload(seed=seed, sampled=True)
+    for k, reqs in work.items():
+        for j, (rid, prompt, p) in enumerate(reqs):
+            if int(rid[1:]) % 4 != 3:
+                p.presence_penalty, p.frequency_penalty = 0.7, 0.4 if j % 2 else -0.3
+                p.repetition_penalty = 1.3 if int(rid[1:]) % 3 else 1.0
+            if rid == "r5":
+                p.n, p.seed = 2, 77
+    return work
+
+
+def test_engine_penalties_overlapped_equal_sync_and_solo(make_engine):
+    """Penalties run overlapped now (device statistics per slot): the same tokens as the synchronous loop
+    and as each request alone, through preemption (a preempted sequence's statistics are rebuilt)."""
+    solo = make_engine(async_scheduling=False)
+    ref = {}
+    for reqs in penalised_workload().values():
+        for r in reqs:
+            ref.update(tokens(drain(solo, {0: [r]})))
+    sync = make_engine(async_scheduling=False, num_kv_blocks=16)
+    assert tokens(drain(sync, penalised_workload())) == ref
+    eng = make_engine(async_scheduling=True, num_kv_blocks=16)
+    fed = []
+    orig = eng.executor.execute_async
+    eng.executor.execute_async = lambda plan: (fed.append(sum(r.token_id == -1 for r in plan.decode)), orig(plan))[1]
+    assert tokens(drain(eng, penalised_workload())) == ref
+    assert eng.stats()["num_preemptions_total"] > 0 and sync.stats()["num_preemptions_total"] > 0
+    assert sum(fed) > 20  # penalised rows were fed from the device (overlapped)
+
+
 def _final(eng, reqs):
     out = drain(eng, {0: reqs})
     return {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs]

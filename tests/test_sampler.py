@@ -121,26 +121,74 @@ def test_device_uniform_matches_the_python_reference():
     assert tensors(rows).u.tolist() == got[:20]
 
 
+def edit(x, rows, state=None):
+    """apply_logit_edits with a penalty state (built from the rows' lists, as the runner does)."""
+    state = state or S.PenaltyState(4, x.shape[1], x.device)
+    return S.apply_logit_edits(x, rows, state, state.prepare(rows))
+
+
+def reference_penalties(x: torch.Tensor, out_ids: list[int], prompt_ids: list[int], rep: float, freq: float,
+                        pres: float) -> torch.Tensor:
+    """vLLM's formula from the token lists, one row."""
+    want = x.clone()
+    counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=x.numel()).float()
+    for t in set(out_ids) | (set(prompt_ids) if rep != 1.0 else set()):
+        want[t] = want[t] / rep if want[t] > 0 else want[t] * rep
+    return want - freq * counts - pres * (counts > 0).float()
+
+
 def test_penalties_match_formula():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, V, generator=g)
     out_ids, prompt_ids = [1, 1, 2, 5], [5, 6, 7]
-    rows = [SamplingRow(0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
+    rows = [SamplingRow(0, slot=3, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
                         output_token_ids=out_ids, prompt_token_ids=prompt_ids),
             None,
             SamplingRow(2, banned_token_ids=[3, 4])]
-    y = S.apply_logit_edits(x, rows)
-    want = x[0].clone()
-    counts = torch.bincount(torch.tensor(out_ids), minlength=V).float()
-    seen = set(out_ids) | set(prompt_ids)
-    for t in seen:
-        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
-    want -= 0.3 * counts + 0.5 * (counts > 0).float()
-    assert torch.allclose(y[0], want)
+    y = edit(x, rows)
+    assert torch.allclose(y[0], reference_penalties(x[0], out_ids, prompt_ids, 1.3, 0.3, 0.5))
     assert torch.equal(y[1], x[1])  # untouched rows are bit-identical
     assert torch.isinf(y[2, [3, 4]]).all() and torch.equal(y[2, 5:], x[2, 5:])
     assert not S.needs_logit_edits([SamplingRow(0), None])
     assert S.needs_logit_edits([rows[2]])
+
+
+def test_penalty_state_is_incremental_and_rebuilt_per_slot():
+    """The device statistics follow the sampled tokens step by step (no lists after the first row), a
+    slot taken over by another sequence (or the same one after preemption) is rebuilt from its lists, and
+    every step equals the formula on the full lists."""
+    g = torch.Generator().manual_seed(5)
+    state = S.PenaltyState(3, V, "cpu")
+    prompts = {7: [3, 4, 4, 9], 8: [1, 2]}
+    outs = {7: [], 8: [5, 5]}
+    params = {7: (1.4, 0.2, 0.3), 8: (1.0, -0.5, 0.7)}
+    slots = {7: 1, 8: 2}
+
+    def row(sid, first):
+        rep, freq, pres = params[sid]
+        return SamplingRow(sid, slot=slots[sid], repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
+                           output_token_ids=list(outs[sid]) if first else None,
+                           prompt_token_ids=prompts[sid] if first else None)
+
+    first = {7: True, 8: True}
+    for step in range(12):
+        if step == 6:  # sequence 8 preempted and re-admitted into slot 0; 7 moves to 8's old slot
+            slots[8], slots[7] = 0, 2
+            first = {7: True, 8: True}
+        rows = [row(7, first[7]), None, row(8, first[8])]
+        first = {7: False, 8: False}
+        x = torch.randn(3, V, generator=g)
+        pen = state.prepare(rows)
+        y = S.apply_logit_edits(x, rows, state, pen)
+        for i, sid in ((0, 7), (2, 8)):
+            assert torch.allclose(y[i], reference_penalties(x[i], outs[sid], prompts[sid], *params[sid]), atol=1e-6)
+        ids = torch.randint(0, V, (3,), generator=g)
+        state.observe(pen, ids)
+        outs[7].append(int(ids[0]))
+        outs[8].append(int(ids[2]))
+    # a row without lists in a slot that holds another sequence's statistics is a bookkeeping error
+    with pytest.raises(RuntimeError, match="penalty state of slot"):
+        state.prepare([SamplingRow(99, slot=1, presence_penalty=0.1)])
 
 
 def test_logit_bias_comes_before_the_penalties():
@@ -150,7 +198,7 @@ def test_logit_bias_comes_before_the_penalties():
     rows = [SamplingRow(0, logit_bias=bias), None,
             SamplingRow(2, logit_bias={4: 1.5}, repetition_penalty=1.5, output_token_ids=[4], prompt_token_ids=[])]
     assert S.needs_logit_edits([rows[0]]) and S.needs_logit_edits([rows[2]])
-    y = S.apply_logit_edits(x, rows)
+    y = edit(x, rows)
     want = x[0].clone()
     want[4] += 2.5
     want[9] -= 100.0

@@ -65,10 +65,12 @@ class HybridStateCache:
         """What a slot's bytes mean: the head map (which heads are bf16) and the conv dtype."""
         return (tuple(tuple(m) for m in self.bf16_heads), str(self.conv.dtype), tuple(self.conv.shape[2:]))
 
-    def copy_to(self, dst: "HybridStateCache", src_slots: list[int], dst_slots: list[int]) -> None:
+    def copy_to(self, dst: "HybridStateCache", src_slots: list[int] | torch.Tensor,
+                dst_slots: list[int] | torch.Tensor) -> None:
         """Copy whole slots into another pool of the same layout (prefix-cache snapshot save and
-        restore: bit-exact, each head in its partition's dtype)."""
-        if not src_slots:
+        restore: bit-exact, each head in its partition's dtype). Slots as lists, or as device tensors
+        (the runner's, uploaded without a host sync)."""
+        if len(src_slots) == 0:
             return
         if dst.layout_key != self.layout_key:
             raise RuntimeError("state pools of different head maps / dtypes: a snapshot taken under one "

@@ -10,7 +10,7 @@ counts each sequence's sampled-but-unseen token (Sequence.num_inflight); a decod
 is still on the device is fed from it there (ModelRunner.slot_ids). A stop (EOS, stop string) found in
 step N's tokens finishes the sequence one step late: the token step N+1 sampled for it is dropped and
 its slot and blocks are reused only by work queued after step N+1 on the same stream. Steps whose
-sampling needs the previous token on the host (penalties, multi-token bad words) and `capture_logits`
+sampling needs the previous token on the host (multi-token bad words) and `capture_logits`
 run synchronously. Grammar-constrained steps overlap too, as in vLLM: step N+1's grammar callback runs
 once its forward is queued, waits there for step N's sampled ids (already copied by then: step N's
 sampling precedes step N+1's forward on the stream), feeds them to the matchers and fills the masks
@@ -274,9 +274,9 @@ class LLMEngine:
         return req
 
     def _needs_host_tokens(self, p: SamplingParams) -> bool:
-        """Sampling that reads the sequence's previous tokens on the host: such steps are not overlapped."""
-        return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                    or any(len(w) > 1 for w in p.bad_words_token_ids or ()))
+        """Sampling that reads the sequence's previous tokens on the host (multi-token bad words): such steps
+        are not overlapped. Penalties are not: their statistics live on the device (sampler.PenaltyState)."""
+        return any(len(w) > 1 for w in p.bad_words_token_ids or ())
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request; returns its final output (finish_reason 'abort'), None if unknown/finished."""

@@ -39,7 +39,7 @@ from linrnn_serve.batch import ForwardBatch
 from linrnn_serve.cache import ModelCaches
 from linrnn_serve.runner import sampler as S
 from linrnn_serve.runner.cuda_graphs import GraphSet, bucket_for, decode_buckets
-from linrnn_serve.runner.inputs import SeqWork, build_forward_batch
+from linrnn_serve.runner.inputs import SeqWork, build_forward_batch, to_device
 from linrnn_serve.runner.plan import (
     CachedSampleRow, DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult,
 )
@@ -129,6 +129,7 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self.progress = progress
         self._last: list[tuple[list[int], torch.Tensor]] = []
+        self.penalties: S.PenaltyState | None = None  # per-slot penalty statistics (sampler.PenaltyState)
         if pad_prefill is None:
             pad_prefill = prefill_padding_default(model, dev)
         self.prefill_graphs = PrefillGraphs(
@@ -269,10 +270,10 @@ class ModelRunner:
             self.slot_tables.index_copy_(0, self._h2d(stage["t"]["bt_idx"][:m]), self._h2d(stage["t"]["bt"][:m]))
         self._save_snapshots(plan.snapshot_saves_before)
         if plan.reset_slots:
-            self.caches.state.reset_slots(plan.reset_slots)
+            self.caches.state.reset_slots(self._to_device(plan.reset_slots))
         if plan.snapshot_restores:
-            self.caches.snapshots.copy_to(self.caches.state, [s for s, _ in plan.snapshot_restores],
-                                          [d for _, d in plan.snapshot_restores])
+            src, dst = self._to_device([list(p) for p in zip(*plan.snapshot_restores)])
+            self.caches.snapshots.copy_to(self.caches.state, src, dst)
         if plan.block_copies:
             src = self._to_device([s for s, _ in plan.block_copies])  # (copy-on-write: no host sync)
             dst = self._to_device([d for _, d in plan.block_copies])
@@ -283,15 +284,14 @@ class ModelRunner:
         """A pinned staging slice -> the device without a host sync (stream-ordered)."""
         return host.to(self.device, non_blocking=True) if self.cuda else host
 
-    def _to_device(self, values: list[int], dtype=torch.int64) -> torch.Tensor:
-        """A small host list -> the device without a host sync (pinned; the host allocator keeps the
-        pinned block until the copy has run)."""
-        t = torch.tensor(values, dtype=dtype)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t
+    def _to_device(self, values: list, dtype=torch.int64) -> torch.Tensor:
+        """A small host list -> the device without a host sync (inputs.to_device)."""
+        return to_device(torch.tensor(values, dtype=dtype), self.device)
 
     def _save_snapshots(self, saves: list[tuple[int, int]]) -> None:
         if saves:
-            self.caches.state.copy_to(self.caches.snapshots, [s for s, _ in saves], [d for _, d in saves])
+            src, dst = self._to_device([list(p) for p in zip(*saves)])
+            self.caches.state.copy_to(self.caches.snapshots, src, dst)
 
     def _upload_slot_params(self, samp: list[SamplingRow], slots: np.ndarray, stage: dict) -> None:
         """Sampling parameters of the rows whose slot holds another sequence's (first decode in a slot)."""
@@ -342,10 +342,14 @@ class ModelRunner:
                 self._mask_read.record()
         any_random = any(s.temperature >= S.GREEDY_EPS for s in samp)
         if S.needs_logit_edits(samp):
-            logits = S.apply_logit_edits(self.logits_buf[:b], samp + [None] * (b - n))
+            rows = samp + [None] * (b - n)
+            pen = self._penalty_rows(rows)
+            logits = S.apply_logit_edits(self.logits_buf[:b], rows, self.penalties, pen)
             ids = S.sample(logits, self._static_sampling(b), any(s.needs_sort for s in samp)) if any_random \
                 else S.greedy(logits)
             self._publish(b, ids)
+            if pen is not None:
+                self.penalties.observe(pen, ids)
         elif any_random:
             kind = "sample_sorted" if any(s.needs_sort for s in samp) else "sample"
             if graphs:
@@ -411,7 +415,7 @@ class ModelRunner:
         else:
             work = [SeqWork(r.token_ids, r.start_pos, r.slot, r.block_table) for r in rows]
             batch = build_forward_batch(work, self.block_size, self.device)
-            batch.logits_indices = torch.tensor(sel, dtype=torch.long, device=self.device)
+            batch.logits_indices = self._to_device(sel)
             logits = self.model(batch, self.caches)
         k = len(samp)
         for r, pos in plp_rows:
@@ -419,8 +423,7 @@ class ModelRunner:
             k += len(pos)
         if snaps:  # the state after each chunk and its last token's logits
             self._save_snapshots(snaps)
-            idx = torch.tensor([s for _, s in snaps], dtype=torch.long, device=self.device)
-            rows_idx = torch.tensor(snap_rows, dtype=torch.long, device=self.device)
+            idx, rows_idx = self._to_device([[s for _, s in snaps], snap_rows])
             self.caches.snapshot_logits.index_copy_(0, idx, logits.index_select(0, rows_idx).to(
                 self.caches.snapshot_logits.dtype))
         if not samp:
@@ -430,7 +433,7 @@ class ModelRunner:
     def _run_cached(self, rows: list[CachedSampleRow], fill_bitmask=None):
         """First tokens of fully cached prompts, from their snapshots' stored logits (no forward)."""
         samp = [s for r in rows for s in r.samples]
-        idx = torch.tensor([r.snapshot for r in rows for _ in r.samples], dtype=torch.long, device=self.device)
+        idx = self._to_device([r.snapshot for r in rows for _ in r.samples])
         return self._sample(samp, self.caches.snapshot_logits.index_select(0, idx), fill_bitmask)
 
     def _sample(self, samp: list[SamplingRow], logits: torch.Tensor, fill_bitmask=None):
@@ -439,18 +442,30 @@ class ModelRunner:
             # the decode staging rows out of it (a prefill batch may sample more rows than a decode bucket)
             host = torch.empty((len(samp), self._mask.shape[1]), dtype=torch.int32)
             fill_bitmask(host, [s.seq_id for s in samp])
-            S.apply_bitmask(logits, host.to(self.device))
+            S.apply_bitmask(logits, to_device(host, self.device))
         t = S.SamplingTensors.from_rows(samp, self.device)
         any_random = not all(s.is_greedy for s in samp)
-        x = S.apply_logit_edits(logits, samp) if S.needs_logit_edits(samp) else logits
+        pen = self._penalty_rows(samp)
+        x = S.apply_logit_edits(logits, samp, self.penalties, pen) if S.needs_logit_edits(samp) else logits
         ids = S.sample(x, t, any(s.needs_sort for s in samp)) if any_random else S.greedy(x)
+        if pen is not None:
+            self.penalties.observe(pen, ids)
         return samp, ids, logits
+
+    def _penalty_rows(self, rows: list[SamplingRow | None]) -> S.PenaltyRows | None:
+        """The batch's penalised rows (their per-slot statistics built first where needed); the state is
+        allocated at the first penalised request."""
+        if not any(S.has_penalties(r) for r in rows):
+            return None
+        if self.penalties is None:
+            self.penalties = S.PenaltyState(self.num_slots, self.vocab_size, self.device)
+        return self.penalties.prepare(rows)
 
     def _prompt_logprobs(self, logits: torch.Tensor, row: PrefillRow, pos: list[int]) -> list[dict[int, float]]:
         out: list[dict[int, float]] = []
         for k in range(0, len(pos), PROMPT_LOGPROB_SLICE):
             part = pos[k:k + PROMPT_LOGPROB_SLICE]
-            nxt = torch.tensor([row.next_token_ids[j] for j in part], device=self.device)
+            nxt = self._to_device([row.next_token_ids[j] for j in part])
             out += S.logprobs_of(logits[k:k + len(part)], nxt, [row.prompt_logprobs] * len(part))
         return out
 

@@ -58,8 +58,11 @@ class SamplingRow:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    output_token_ids: list[int] | None = None  # needed only when a penalty is set
-    prompt_token_ids: list[int] | None = None  # repetition penalty counts the prompt too
+    # penalties: the sequence's output so far and (repetition penalty) its prompt, only on its first row
+    # after a slot assignment: the runner then builds the slot's statistics (sampler.PenaltyState) and
+    # later rows (None) only add the sampled token there, on the device
+    output_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
     banned_token_ids: list[int] = field(default_factory=list)  # EOS / stop ids while < min_tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (first of the edits)
     logprobs: int | None = None  # top-N alternatives + the sampled token's logprob

@@ -13,8 +13,10 @@ Everything on the decode hot path is shape-static and sync-free, so it runs insi
   row of the batch asks for them.
 
 logit_bias, penalties (presence / frequency / repetition) and the bans (min_tokens: EOS / stop ids;
-bad_words) change the logits first; they need per-sequence token lists, so they run eagerly (`apply_logit_edits`), only
-for batches that have such a row. Rows without edits are bit-unchanged by it.
+bad_words) change the logits first, eagerly (`apply_logit_edits`), only for batches that have such a
+row. Rows without edits are bit-unchanged by it. The penalties' token statistics live on the device per
+state slot (`PenaltyState`): built once when a sequence's first penalised row reaches its slot, then
+each step adds the sampled token there (O(1) per row and step, no host lists).
 
 Logprobs are those of the raw model distribution (vLLM's default `raw_logprobs`): log_softmax of
 the unprocessed logits, the sampled token's value and the top-N alternatives.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from linrnn_serve.runner.inputs import to_device as _to_device
 from linrnn_serve.runner.plan import SamplingRow
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
@@ -56,11 +59,6 @@ def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (_srl(h, 11).double() + 0.5) / float(1 << 53)
 
 
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """Host -> device without a host sync on CUDA (through pinned memory)."""
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass
@@ -125,49 +123,113 @@ def needs_logit_edits(rows: list[SamplingRow | None]) -> bool:
     return any(r is not None and r.needs_logit_edits for r in rows)
 
 
-def apply_logit_edits(logits: torch.Tensor, rows: list[SamplingRow | None]) -> torch.Tensor:
-    """f32 copy of logits with logit_bias, penalties (vLLM order: bias, repetition on prompt+output
-    tokens, then frequency and presence on output tokens) and min_tokens / bad_words bans applied;
-    `None` rows are padding."""
+def has_penalties(r: SamplingRow | None) -> bool:
+    return r is not None and (r.presence_penalty != 0.0 or r.frequency_penalty != 0.0 or r.repetition_penalty != 1.0)
+
+
+@dataclass
+class PenaltyRows:
+    """The penalised rows of one batch: their row indices and state slots, as device tensors."""
+
+    rows: torch.Tensor  # int64 [P]
+    slots: torch.Tensor  # int64 [P]
+
+
+class PenaltyState:
+    """Per state slot, on the device: the count of each token in the sequence's output (int32 [slots, V]),
+    which tokens its prompt holds (bool [slots, V], for the repetition penalty) and its three penalties.
+    Allocated at the first penalised request: slots x V x 5 bytes (e.g. 65 x 248k vocabulary: 81 MB).
+
+    A sequence's first penalised row in a slot carries its prompt and output so far
+    (`SamplingRow.output_token_ids is not None`: the scheduler attaches them once per slot assignment);
+    the slot is rebuilt from them. Every later step adds only the token it sampled (`observe`, on the
+    device). `owner` (host) checks that a row without lists finds its own sequence's statistics."""
+
+    def __init__(self, num_slots: int, vocab: int, device):
+        self.device, self.vocab = torch.device(device), vocab
+        self.counts = torch.zeros(num_slots, vocab, dtype=torch.int32, device=device)
+        self.prompt = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)
+        self.params = torch.zeros(num_slots, 3, dtype=torch.float32, device=device)  # repetition, frequency, presence
+        self.owner = [-1] * num_slots
+
+    def prepare(self, rows: list[SamplingRow | None]) -> PenaltyRows | None:
+        """The batch's penalised rows, their slots (re)built first where the row brings its lists."""
+        pen = [i for i, r in enumerate(rows) if has_penalties(r)]
+        if not pen:
+            return None
+        fresh = [rows[i] for i in pen if rows[i].output_token_ids is not None]
+        for i in pen:
+            r = rows[i]
+            if r.output_token_ids is None and self.owner[r.slot] != r.seq_id:
+                raise RuntimeError(f"penalty state of slot {r.slot} belongs to sequence {self.owner[r.slot]}, not "
+                                   f"{r.seq_id}, and the row brings no token lists")
+        if fresh:
+            self._rebuild(fresh)
+        slots = [rows[i].slot for i in pen]
+        t = _to_device(torch.tensor([pen, slots], dtype=torch.int64), self.device)
+        return PenaltyRows(t[0], t[1])
+
+    def _rebuild(self, rows: list[SamplingRow]) -> None:
+        V = self.vocab
+        slots = [r.slot for r in rows]
+        for r in rows:
+            self.owner[r.slot] = r.seq_id
+        idx = _to_device(torch.tensor(slots, dtype=torch.int64), self.device)
+        self.counts.index_fill_(0, idx, 0)
+        self.prompt.index_fill_(0, idx, False)
+        self.params.index_copy_(0, idx, _to_device(torch.tensor(
+            [(r.repetition_penalty, r.frequency_penalty, r.presence_penalty) for r in rows], dtype=torch.float32),
+            self.device))
+        out = [r.slot * V + t for r in rows for t in r.output_token_ids if 0 <= t < V]
+        if out:
+            flat = _to_device(torch.tensor(out, dtype=torch.int64), self.device)
+            self.counts.view(-1).scatter_add_(0, flat, torch.ones(len(out), dtype=torch.int32, device=self.device))
+        seen = [r.slot * V + t for r in rows if r.repetition_penalty != 1.0 for t in (r.prompt_token_ids or ())
+                if 0 <= t < V]
+        if seen:
+            self.prompt.view(-1).index_fill_(0, _to_device(torch.tensor(seen, dtype=torch.int64), self.device), True)
+
+    def observe(self, pen: PenaltyRows, ids: torch.Tensor) -> None:
+        """Count the tokens the penalised rows just sampled (`ids`: the batch's sampled ids, on the device)."""
+        flat = pen.slots * self.vocab + ids.index_select(0, pen.rows).long()
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+    def apply(self, x: torch.Tensor, pen: PenaltyRows) -> None:
+        """vLLM's penalties on the rows of x (f32, in place): repetition on prompt + output tokens, then
+        frequency and presence on output tokens."""
+        counts = self.counts.index_select(0, pen.slots).float()
+        seen = counts > 0
+        prompt_seen = self.prompt.index_select(0, pen.slots)
+        p = self.params.index_select(0, pen.slots)
+        rep, freq, pres = p[:, 0:1], p[:, 1:2], p[:, 2:3]
+        xr = x.index_select(0, pen.rows)
+        xr = torch.where(seen | prompt_seen, torch.where(xr > 0, xr / rep, xr * rep), xr)
+        xr = xr - freq * counts - pres * seen.float()
+        x.index_copy_(0, pen.rows, xr)
+
+
+def apply_logit_edits(logits: torch.Tensor, rows: list[SamplingRow | None],
+                      penalties: PenaltyState | None = None, pen: PenaltyRows | None = None) -> torch.Tensor:
+    """f32 copy of logits with logit_bias, penalties (`penalties.apply` on the rows `pen`, from
+    `penalties.prepare(rows)`) and min_tokens / bad_words bans applied; `None` rows are padding."""
     x = logits.float().clone()
     B, V = x.shape
     dev = x.device
     biased = [(i, r.logit_bias) for i, r in enumerate(rows) if r is not None and r.logit_bias]
     if biased:
-        bi = torch.tensor([i for i, b in biased for _ in b], dtype=torch.long)
-        bt = torch.tensor([t for _, b in biased for t in b], dtype=torch.long)
-        bv = torch.tensor([v for _, b in biased for v in b.values()], dtype=torch.float32)
-        keep = bt < V
-        x.index_put_((bi[keep].to(dev), bt[keep].to(dev)), bv[keep].to(dev), accumulate=True)
-    pen = [i for i, r in enumerate(rows) if r is not None and (
-        r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0)]
-    if pen:
-        ri, ti = _flat([rows[i].output_token_ids or [] for i in pen])
-        counts = torch.zeros(len(pen), V, dtype=torch.float32, device=dev)
-        counts.index_put_((ri.to(dev), ti.to(dev)), torch.ones(ri.numel(), device=dev), accumulate=True)
-        seen = counts > 0
-        pi, pt = _flat([rows[i].prompt_token_ids or [] for i in pen])
-        prompt_seen = torch.zeros(len(pen), V, dtype=torch.bool, device=dev)
-        prompt_seen[pi.to(dev), pt.to(dev)] = True
-        rep = torch.tensor([rows[i].repetition_penalty for i in pen], dtype=torch.float32, device=dev)[:, None]
-        freq = torch.tensor([rows[i].frequency_penalty for i in pen], dtype=torch.float32, device=dev)[:, None]
-        pres = torch.tensor([rows[i].presence_penalty for i in pen], dtype=torch.float32, device=dev)[:, None]
-        idx = torch.tensor(pen, device=dev)
-        xr = x.index_select(0, idx)
-        xr = torch.where(seen | prompt_seen, torch.where(xr > 0, xr / rep, xr * rep), xr)
-        xr = xr - freq * counts - pres * seen.float()
-        x.index_copy_(0, idx, xr)
-    bi, bt = _flat([(r.banned_token_ids if r is not None else []) for r in rows])
-    if bi.numel():
-        keep = bt < V
-        x[bi[keep].to(dev), bt[keep].to(dev)] = float("-inf")
+        flat = [(i, t, v) for i, b in biased for t, v in b.items() if 0 <= t < V]
+        if flat:
+            bi = _to_device(torch.tensor([i for i, _, _ in flat], dtype=torch.long), dev)
+            bt = _to_device(torch.tensor([t for _, t, _ in flat], dtype=torch.long), dev)
+            bv = _to_device(torch.tensor([v for _, _, v in flat], dtype=torch.float32), dev)
+            x.index_put_((bi, bt), bv, accumulate=True)
+    if pen is not None:
+        penalties.apply(x, pen)
+    bans = [(i, t) for i, r in enumerate(rows) if r is not None for t in r.banned_token_ids if 0 <= t < V]
+    if bans:
+        t = _to_device(torch.tensor(bans, dtype=torch.long), dev)
+        x[t[:, 0], t[:, 1]] = float("-inf")
     return x
-
-
-def _flat(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = [i for i, lst in enumerate(lists) for _ in lst]
-    vals = [v for lst in lists for v in lst]
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(vals, dtype=torch.long)
 
 
 def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> list[torch.Tensor]:
