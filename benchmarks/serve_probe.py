@@ -113,6 +113,7 @@ def install_server_probe(trace: ServerTrace) -> None:
     import subprocess
 
     import linrnn_serve.engine.core_client as cc
+    import linrnn_serve.engine.request_state as rs
     import linrnn_server.app as app_mod
     from linrnn_server.engine_client import EngineClient
 
@@ -148,20 +149,20 @@ def install_server_probe(trace: ServerTrace) -> None:
     def ntoks(st) -> int:
         return sum(len(s.token_ids) for s in st.seqs or ())
 
-    real_apply = cc._RequestState.apply
+    real_apply = rs.RequestState.apply
 
     def apply(self, d):
         real_apply(self, d)
         trace.add("applied", now(), [(self.request_id, ntoks(self))])
 
-    cc._RequestState.apply = apply
-    real_wake = cc._wake
+    rs.RequestState.apply = apply
+    real_wake = rs.wake
 
     def wake(states):
         trace.add("wake", now(), [(st.request_id, ntoks(st)) for st in states])
         real_wake(states)
 
-    cc._wake = wake
+    rs.wake = wake
     real_send = cc.AsyncMPClient._send
 
     def send(self, msg):

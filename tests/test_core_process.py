@@ -227,9 +227,11 @@ def _request_cases():
     ]
 
 
-def test_request_extras_and_prefix_hits_match_the_offline_engine(model_dir):
+@pytest.mark.parametrize("where", ["process", "thread"])
+def test_request_extras_and_prefix_hits_match_the_offline_engine(model_dir, where):
     """Constraints, bad_words, allowed ids, truncation, penalties, n > 1, seeds, stop, prompt logprobs and
-    prefix-cache hits (cached_tokens): the core process returns what the offline engine does."""
+    prefix-cache hits (cached_tokens): the core process, and the in-process AsyncLLMEngine (the same deltas
+    and consumer states, in a thread), return what the offline engine does."""
     from linrnn_serve.llm import LLM
 
     kw = dict(KW, enable_prefix_caching=True)
@@ -240,7 +242,12 @@ def test_request_extras_and_prefix_hits_match_the_offline_engine(model_dir):
     llm = LLM(model_dir, progress=False, **kw)
     want = [llm.generate([p], [c])[0] for p, c in zip(prompts, params)]  # one at a time: the prefix is cached
     assert want[-1].num_cached_tokens > 0
-    client = _client(model_dir, enable_prefix_caching=True)
+    if where == "process":
+        client = _client(model_dir, enable_prefix_caching=True)
+    else:
+        from linrnn_serve.engine.async_engine import AsyncLLMEngine
+
+        client = AsyncLLMEngine.from_config(EngineConfig(model=model_dir, **kw), progress=False)
     try:
         async def main():
             return [await _last(client, p, c, f"x{i}") for i, (p, c) in enumerate(zip(prompts, params))]

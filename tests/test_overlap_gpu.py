@@ -109,3 +109,53 @@ def test_overlapped_equals_sync_with_graphs(which, tiny_dir, a3b_dir):
         reqs = requests(V, batch, seed=1, max_tokens=48)
         assert drain(over, reqs) == drain(sync, reqs), f"batch {batch}"
     over.check_integrity()
+
+
+def test_admission_and_short_prefill_steps_have_no_blocking_sync(tiny_dir):
+    """Steps that admit requests (fresh-slot resets, prefix-cache restores and snapshots), prefill short
+    prompts (graph-captured), sample first tokens and run penalised rows (device statistics per slot)
+    make no blocking sync either: their small uploads go through pinned memory."""
+    from linrnn_serve.sampling_params import SamplingParams
+
+    eng = make(tiny_dir, True, enable_prefix_caching=True, num_prefix_snapshots=32)
+    V = eng.model_config.vocab_size
+    shared = [random.Random(3).randrange(V) for _ in range(40)]
+
+    def batch(tag: str, k: int):
+        rng = random.Random(tag)
+        out = []
+        for i in range(k):
+            prompt = (shared if i % 3 == 0 else []) + [rng.randrange(V) for _ in range(rng.randint(4, 40))]
+            kw = dict(temperature=0.0) if i % 2 else dict(temperature=1.0, seed=i)
+            if i % 4 < 2:
+                kw.update(presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.2)
+            out.append((f"{tag}-{i}", prompt, SamplingParams(max_tokens=16 if tag != "long" else 400,
+                                                            ignore_eos=True, **kw)))
+        return out
+
+    drain(eng, batch("warm", 8))  # pinned host blocks, penalty state, prefix snapshots exist now
+    for rid, prompt, p in batch("long", 4):
+        eng.add_request(rid, prompt, p)
+    for _ in range(6):
+        eng.step()
+    torch.cuda.synchronize()
+    kinds = {"prefill": 0, "reset": 0, "restore": 0, "penalised": 0}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in range(3):
+            for rid, prompt, p in batch(f"new{k}", 6):
+                eng.add_request(rid, prompt, p)
+            for _ in range(8):
+                eng.step()
+                pl = eng.last_plan
+                kinds["prefill"] += bool(pl.prefill)
+                kinds["reset"] += bool(pl.reset_slots)
+                kinds["restore"] += bool(pl.snapshot_restores)
+                kinds["penalised"] += any(r.sampling.presence_penalty for r in pl.decode)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(kinds.values()), kinds
+    for rid in list(eng.scheduler.requests):
+        eng.abort(rid)
+    eng.drain()
+    eng.check_integrity()

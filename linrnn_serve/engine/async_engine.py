@@ -1,17 +1,19 @@
-"""AsyncLLMEngine: the server's view of the engine.
+"""AsyncLLMEngine: the engine core in a thread of this process (LINRNN_ENABLE_MULTIPROCESSING=0, debugging).
 
-The LLMEngine step loop runs in one background thread. The asyncio side talks to it only through
-a command queue (add / abort) and per-request output slots:
+The EngineCore step loop (engine/core.py) runs in one background thread. The asyncio side talks to it
+only through a command queue (add / abort) and per-request states (engine/request_state.py), the same
+as AsyncMPClient's with the core in its own process:
 
     async for out in engine.generate(prompt, params, request_id):   # cumulative RequestOutputs
         ...                                                         # the last has finished=True
     await engine.abort(request_id)
 
-Outputs are cumulative, so a slow consumer only ever needs the newest one: each request keeps the
-latest output and an event, never a growing queue. Leaving the `async for` early (client gone,
-task cancelled) aborts the request. The request is validated (engine/validation.py) in the caller
-before anything is queued, so `generate` raises RequestError (SamplingParamError, PromptTooLongError,
-...) / EngineFullError at its first iteration.
+Each step hands over per-request deltas (new tokens only: O(new tokens) per step); the consumer's
+state detokenizes them and builds a cumulative output only when the consumer reads, so a slow
+consumer skips intermediate ones. Leaving the `async for` early (client gone, task cancelled) aborts
+the request. The request is validated (engine/validation.py) in the caller before anything is queued,
+so `generate` raises RequestError (SamplingParamError, PromptTooLongError, ...) / EngineFullError at its
+first iteration.
 """
 from __future__ import annotations
 
@@ -24,41 +26,24 @@ from typing import AsyncIterator
 
 from linrnn_serve.config import EngineConfig
 from linrnn_serve.engine_args import EngineArgs
-from linrnn_serve.engine.llm_engine import LLMEngine
+from linrnn_serve.engine.core import EngineCore
 from linrnn_serve.engine.errors import EngineDeadError, EngineFullError, RequestError
+from linrnn_serve.engine.llm_engine import LLMEngine
 from linrnn_serve.engine.outputs import RequestOutput
+from linrnn_serve.engine.request_state import RequestState, deliver, fail_all, outputs
 from linrnn_serve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class _Stream:
-    """Latest cumulative output of one request, handed from the engine thread to the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.latest: RequestOutput | BaseException | None = None
-        self.event = asyncio.Event()
-
-    def put(self, item) -> None:  # runs on the event loop
-        if isinstance(self.latest, BaseException) or (isinstance(self.latest, RequestOutput) and self.latest.finished):
-            return
-        self.latest = item
-        self.event.set()
-
-    async def get(self):
-        await self.event.wait()
-        self.event.clear()
-        item, self.latest = self.latest, None
-        return item
-
-
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, idle_integrity_check: bool = True):
         self.engine = engine
+        engine.detokenize_all = False  # the consumers' states detokenize (the engine: only for stop strings)
+        self.core = EngineCore(engine)
         self.idle_integrity_check = idle_integrity_check
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestState] = {}
         self._lock = threading.Lock()
         self._pending_adds = 0
         self._wake = threading.Event()
@@ -136,33 +121,31 @@ class AsyncLLMEngine:
         eng = self.engine
         text, ids = eng.tokenize_prompt(prompt)
         ids = eng.validate_request(ids, params)  # may compile a grammar (engine/validation.py)
-        stream = _Stream(asyncio.get_running_loop())
+        st = RequestState(asyncio.get_running_loop(), request_id, text, ids, params, time.monotonic(),
+                          eng.tokenizer)
         with self._lock:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already in use", "request_id")
             if eng.scheduler.num_waiting_requests + self._pending_adds >= eng.config.max_queue_len:
                 raise EngineFullError(f"the waiting queue is full ({eng.config.max_queue_len} requests); retry later")
-            self._streams[request_id] = stream
+            self._streams[request_id] = st
             self._pending_adds += 1
-        self._cmds.put(("add", request_id, text, ids, params, time.monotonic()))
+        self._cmds.put(("add", request_id, text, ids, params, st.arrival_time))
         self._wake.set()
         finished = False
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in outputs(st):
+                finished = out.finished
+                yield out
+        except BaseException:
+            finished = finished or st.error is not None  # refused / failed: nothing to abort
+            raise
         finally:
             if not finished:
                 self._cmds.put(("abort", request_id))
                 self._wake.set()
             with self._lock:
-                if self._streams.get(request_id) is stream:
+                if self._streams.get(request_id) is st:
                     del self._streams[request_id]
 
     async def abort(self, request_id: str) -> None:
@@ -207,8 +190,7 @@ class AsyncLLMEngine:
                 self._drain()
                 if eng.has_unfinished_requests():
                     self._checked_idle = False
-                    for out in eng.step():
-                        self._deliver(out.request_id, out)
+                    self._deliver(self.core.step())
                     continue
                 if self._stop:
                     break
@@ -227,9 +209,8 @@ class AsyncLLMEngine:
             log.exception("engine loop failed")
             self._dead = e
             with self._lock:
-                streams = list(self._streams.items())
-            for rid, _ in streams:
-                self._deliver(rid, EngineDeadError(f"the engine loop failed: {e!r}"))
+                states = list(self._streams.values())
+            fail_all(states, EngineDeadError(f"the engine loop failed: {e!r}"))
         finally:
             self._stopping = True
             try:
@@ -252,20 +233,18 @@ class AsyncLLMEngine:
                 if not live:  # the client left before we got to it
                     continue
                 try:
-                    eng.add_validated_request(rid, text, ids, params, arrival)
+                    self.core.track(eng.add_validated_request(rid, text, ids, params, arrival), ids)
                 except Exception as e:  # raced past the caller-side checks (e.g. queue filled up)
-                    self._deliver(rid, e)
+                    with self._lock:
+                        st = self._streams.get(rid)
+                    if st is not None:
+                        fail_all([st], e)
             elif cmd[0] == "abort":
-                out = eng.abort(cmd[1])
-                if out is not None:
-                    self._deliver(cmd[1], out)
+                d = self.core.abort(cmd[1])
+                if d is not None:
+                    self._deliver([d])
 
-    def _deliver(self, rid: str, item) -> None:
+    def _deliver(self, deltas) -> None:
+        """One step's deltas to their consumers' states (the lock: consumers register and leave meanwhile)."""
         with self._lock:
-            stream = self._streams.get(rid)
-        if stream is None:
-            return
-        try:
-            stream.loop.call_soon_threadsafe(stream.put, item)
-        except RuntimeError:  # the client's event loop is closed
-            pass
+            deliver(self._streams, deltas)

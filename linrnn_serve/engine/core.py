@@ -1,6 +1,7 @@
 """The engine core: the scheduler + executor step loop, emitting per-step deltas.
 
     EngineCore(engine)          wraps an LLMEngine (scheduler + Executor); add / abort / step -> deltas
+                                (also the in-process AsyncLLMEngine's, in its engine thread)
     run_engine_core(...)        the core process's main: ZeroMQ in (AddRequest / AbortRequest /
                                 Shutdown), one StepOutputs message out per step (engine/protocol.py)
 
@@ -77,11 +78,17 @@ class EngineCore:
                                           prompt_token_ids=msg.prompt_token_ids)
         except Exception as e:  # a refusal the client turns back into the same exception type
             return RequestDelta(msg.request_id, [], finished=True, error=error_info(e))
-        self._sent[msg.request_id] = [0] * msg.params.n
-        self._plp_sent[msg.request_id] = 1  # entry 0 (None) is implied
-        if req.prompt_token_ids != msg.prompt_token_ids:  # truncate_prompt_tokens
-            self._new_prompt[msg.request_id] = req.prompt_token_ids
+        self.track(req, msg.prompt_token_ids)
         return None
+
+    def track(self, req, sent_prompt_ids: list[int]) -> None:
+        """Follow a request queued in the engine (its deltas start empty). `sent_prompt_ids`: the prompt
+        the client knows (the first delta carries the engine's when it differs: truncate_prompt_tokens)."""
+        rid = req.request_id
+        self._sent[rid] = [0] * req.params.n
+        self._plp_sent[rid] = 1  # entry 0 (None) is implied
+        if req.prompt_token_ids != sent_prompt_ids:
+            self._new_prompt[rid] = req.prompt_token_ids
 
     def abort(self, request_id: str) -> RequestDelta | None:
         req = self.engine.abort_request(request_id)

@@ -36,126 +36,14 @@ from typing import AsyncIterator
 import zmq
 
 from linrnn_serve.config import EngineConfig
-from linrnn_serve.engine.errors import EngineDeadError, RequestError, rebuild
-from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
-from linrnn_serve.engine.protocol import (AbortRequest, AddRequest, ErrorInfo, RequestDelta, Shutdown,
-                                          encoder, outputs_decoder)
+from linrnn_serve.engine.errors import EngineDeadError, RequestError
+from linrnn_serve.engine.outputs import RequestOutput
+from linrnn_serve.engine.protocol import AbortRequest, AddRequest, Shutdown, encoder, outputs_decoder
+from linrnn_serve.engine.request_state import RequestState, deliver, fail_all, outputs, rebuild_error
 from linrnn_serve.engine.tokenizer import Tokenizer
 from linrnn_serve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-def rebuild_error(info: ErrorInfo) -> BaseException:
-    """The core's exception as the same type here (engine/errors.py)."""
-    return rebuild(info.kind, info.message, info.param, info.code)
-
-
-def visible_text(text: str, params: SamplingParams, finished: bool) -> str:
-    """While running, hold back a possible stop-string prefix (vLLM's rule)."""
-    if finished or not params.stop or params.include_stop_str_in_output:
-        return text
-    hold = max(len(s) for s in params.stop) - 1
-    return text[: max(0, len(text) - hold)]
-
-
-class _Seq:
-    __slots__ = ("token_ids", "logprobs", "detok", "text", "finish_reason", "stop_reason")
-
-    def __init__(self, detok, logprobs: bool):
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] | None = [] if logprobs else None
-        self.detok, self.text = detok, ""
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-
-
-class _RequestState:
-    """One request's cumulative output, built from the core's deltas (updated on the receiver thread,
-    read on the consumer's event loop; `lock` guards the pair)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, prompt: str | None, prompt_ids: list[int],
-                 params: SamplingParams, arrival_time: float, tokenizer: Tokenizer | None):
-        self.loop, self.request_id, self.prompt, self.prompt_ids = loop, request_id, prompt, prompt_ids
-        self.params, self.arrival_time, self.tokenizer = params, arrival_time, tokenizer
-        self.seqs: list[_Seq] | None = None  # made at the first delta (the core may truncate the prompt)
-        self.num_cached_tokens = 0
-        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
-        self.finished = False
-        self.first_token_time: float | None = None
-        self.finished_time: float | None = None
-        self.error: BaseException | None = None
-        self.event = asyncio.Event()
-        self.dirty = False
-        self.lock = threading.Lock()
-
-    def apply(self, d: RequestDelta) -> None:
-        with self.lock:
-            if self.finished:
-                return
-            if d.error is not None:
-                self.error = rebuild_error(d.error)
-            if d.prompt_token_ids is not None:
-                self.prompt_ids = d.prompt_token_ids
-            if self.seqs is None:
-                tok, p = self.tokenizer, self.params
-                self.seqs = [_Seq(tok.detokenizer(self.prompt_ids, p) if tok else None, p.logprobs is not None)
-                             for _ in range(p.n)]
-            self.num_cached_tokens = d.num_cached_tokens
-            for sd in d.seqs:
-                s = self.seqs[sd.index]
-                s.token_ids += sd.token_ids
-                if s.logprobs is not None and sd.logprobs is not None:
-                    s.logprobs += sd.logprobs
-                if s.detok is not None:
-                    stop_on_token = sd.finish_reason == "stop" and sd.stop_reason is not None and \
-                        not isinstance(sd.stop_reason, str)
-                    eos = sd.finish_reason == "stop" and sd.stop_reason is None and sd.token_ids
-                    toks = sd.token_ids
-                    if (stop_on_token or eos) and not self.params.include_stop_str_in_output:
-                        toks = toks[:-1]  # the stop token's text is not part of the output (as the scheduler)
-                    for t in toks:
-                        s.text += s.detok.update(t)
-                    if sd.text_len is not None:  # stopped by a stop string: cut where the core cut
-                        s.text = s.text[:sd.text_len]
-                    elif sd.finish_reason is not None:  # a held-back partial character shows as U+FFFD
-                        flush = getattr(s.detok, "flush", None)
-                        if flush is not None and s.token_ids:
-                            s.text += flush()
-                s.finish_reason, s.stop_reason = sd.finish_reason, sd.stop_reason
-            if d.prompt_logprobs and self.prompt_logprobs is not None:
-                self.prompt_logprobs += d.prompt_logprobs
-            if d.first_token_time is not None:
-                self.first_token_time = d.first_token_time
-            if d.finished:
-                self.finished = True
-                self.finished_time = d.finished_time or time.monotonic()
-            self.dirty = True
-
-    def fail(self, e: BaseException) -> None:
-        with self.lock:
-            if not self.finished and self.error is None:
-                self.error = e
-                self.dirty = True
-
-    def output(self) -> RequestOutput | BaseException:
-        with self.lock:
-            self.dirty = False
-            if self.error is not None:
-                return self.error
-            outs = [CompletionOutput(i, visible_text(s.text, self.params, s.finish_reason is not None),
-                                     list(s.token_ids), list(s.logprobs) if s.logprobs is not None else None,
-                                     s.finish_reason, s.stop_reason) for i, s in enumerate(self.seqs or ())]
-            return RequestOutput(
-                self.request_id, self.prompt, self.prompt_ids, outs, self.finished,
-                prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
-                metrics={"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
-                         "finished_time": self.finished_time}, num_cached_tokens=self.num_cached_tokens)
-
-
-def _wake(states: list[_RequestState]) -> None:  # on the consumers' event loop
-    for st in states:
-        st.event.set()
-
 
 MULTIPROCESSING_ENV = "LINRNN_ENABLE_MULTIPROCESSING"  # 0: the core in the server's process (vLLM's
 # VLLM_ENABLE_V1_MULTIPROCESSING=0 is read too), for debugging with one process
@@ -189,7 +77,7 @@ class AsyncMPClient:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(out_addr)
         self._send_lock = threading.Lock()
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
@@ -269,8 +157,8 @@ class AsyncMPClient:
             raise self._dead_error()
         params = params if params is not None else SamplingParams()
         text, ids = self._tokenize(prompt)  # the core validates the request (engine/validation.py)
-        st = _RequestState(asyncio.get_running_loop(), request_id, text, ids, params, time.monotonic(),
-                           self.tokenizer)
+        st = RequestState(asyncio.get_running_loop(), request_id, text, ids, params, time.monotonic(),
+                          self.tokenizer)
         with self._lock:
             if request_id in self._states:
                 raise RequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -280,19 +168,12 @@ class AsyncMPClient:
             if self._dead is not None:  # died between the check above and the registration
                 raise self._dead_error()
             self._send(AddRequest(request_id, ids, params, st.arrival_time, text))
-            while True:
-                await st.event.wait()
-                st.event.clear()
-                if not st.dirty:
-                    continue
-                out = st.output()
-                if isinstance(out, BaseException):
-                    finished = True
-                    raise out
+            async for out in outputs(st):
+                finished = out.finished
                 yield out
-                if out.finished:
-                    finished = True
-                    return
+        except BaseException:
+            finished = finished or st.error is not None  # a refused / failed request: nothing to abort
+            raise
         finally:
             with self._lock:
                 if self._states.get(request_id) is st:
@@ -340,18 +221,7 @@ class AsyncMPClient:
             self._last_recv = time.monotonic()
             if msg.stats is not None:
                 self._stats = msg.stats
-            by_loop: dict[asyncio.AbstractEventLoop, list[_RequestState]] = {}
-            for d in msg.deltas:
-                st = self._states.get(d.request_id)
-                if st is None:  # the consumer left (its abort is on the way)
-                    continue
-                st.apply(d)
-                by_loop.setdefault(st.loop, []).append(st)
-            for loop, states in by_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_wake, states)
-                except RuntimeError:  # the consumer's loop is closed
-                    pass
+            deliver(self._states, msg.deltas)
             if msg.dead is not None:
                 self._on_death(f"the engine core failed: {msg.dead.kind}: {msg.dead.message}")
                 return
@@ -368,15 +238,7 @@ class AsyncMPClient:
         self._dead = EngineDeadError(why)
         with self._lock:
             states = list(self._states.values())
-        by_loop: dict[asyncio.AbstractEventLoop, list[_RequestState]] = {}
-        for st in states:
-            st.fail(EngineDeadError(why))
-            by_loop.setdefault(st.loop, []).append(st)
-        for loop, sts in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_wake, sts)
-            except RuntimeError:
-                pass
+        fail_all(states, EngineDeadError(why))
 
     # ---- shutdown ------------------------------------------------------------------------------
     async def shutdown(self, mode: str = "abort", timeout: float = 30.0) -> None:
