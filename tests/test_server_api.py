@@ -73,6 +73,7 @@ class FakeEngine:
         self.full = False
         self.dead = False
         self.fail_after: int | None = None
+        self.textless: set[int] = set()  # output positions whose token adds no text (a partial UTF-8 char)
         self.gate = threading.Event()
         self.gate.set()
         self.aborted: list[str] = []
@@ -105,7 +106,7 @@ class FakeEngine:
             for c in outs:
                 t = self.token(prompt, c.index, k)
                 c.token_ids.append(t)
-                c.text += chr(t)
+                c.text += "" if k in self.textless else chr(t)
                 if c.logprobs is not None:
                     alts = {t: -0.25}
                     for j in range(params.logprobs):
@@ -252,6 +253,20 @@ def test_completion_stream(client):
     # without include_usage: no usage chunk
     events = sse_events(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True}).text)
     assert all(e == "[DONE]" or e["choices"] for e in events)
+
+
+def test_stream_sends_a_chunk_per_output_even_without_text(client, engine):
+    """Tokens that add no text yet (a partial UTF-8 character, a held-back stop-string prefix) still get
+    their chunk, as in vLLM: clients time tokens by chunks (TTFT, ITL); skipping them made bursts."""
+    engine.textless = {0, 1, 2, 4, 5}
+    events = sse_events(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8, "stream": True}).text)
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert events[-1] == "[DONE]" and len(texts) == 8
+    assert [t == "" for t in texts] == [k in engine.textless for k in range(8)]
+    events = sse_events(client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}).text)
+    deltas = [e["choices"][0]["delta"] for e in events[1:-1]]  # after the role chunk
+    assert len(deltas) == 8 and [d.get("content") == "" for d in deltas] == [k in engine.textless for k in range(8)]
 
 
 def test_stop_strings(client):

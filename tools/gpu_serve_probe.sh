@@ -5,7 +5,8 @@
 #       # concurrency 1: per-hop latency / ITL table (core send -> server receive -> event-loop wake -> SSE
 #       # write -> client), per-thread CPU / context switches; `bench serve` c = 1 on the same server.
 #       # Variants: default (core process, uvicorn's auto loop), asyncio loop, core in process.
-#   bash tools/gpu_serve_probe.sh bench   # ~3.5 min: one traced probe, `bench serve` c = 1 and 64 on the
+#   bash tools/gpu_serve_probe.sh bench   # ~3.5 min: the no-blocking-sync GPU tests (admission / prefill /
+#       # penalised steps, steady decode; tiny model), one traced probe, `bench serve` c = 1 and 64 on the
 #       # default server, then `bench batched` npl 1 / 64 (ratios: TPOT vs ms/step, c = 64 tok/s vs S_TG)
 [ -n "$PROBE_LOCAL" ] || . tools/device_env.sh >/dev/null  # PROBE_LOCAL=1: a CPU dry run (SERVE=...)
 OUT=${OUT:-/tmp/out}; R=/tmp/sprobe; mkdir -p $R $OUT
@@ -60,6 +61,8 @@ case "${1:-probe}" in
     LINRNN_ENABLE_MULTIPROCESSING=0 start_server inproc 8043 && { probe inproc 8043; serve inproc 8043 1; }
     stop_server; el "in-process done" ;;
   bench)
+    timeout 80 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_overlap_gpu.py \
+      -k "admission or (steady and tiny)" > $R/tests_gpu.log 2>&1; tail -3 $R/tests_gpu.log; el "gpu tests done"
     start_server default 8044 && { probe default 8044; serve default 8044 1,64; }; stop_server; el "serve done"
     timeout 120 python3 -m linrnn_serve bench batched --model qwen35moe-nvfp4 --load-format dummy --npp 128 --ntg 128 \
       --npl 1,64 --no-progress --out $R/batched > $R/batched.log 2>&1

@@ -193,7 +193,9 @@ class _ChoiceStream:
         self.call_id = new_call_id()
         self.saw_calls = False
 
-    def delta(self, piece: str, final: bool) -> DeltaMessage | None:
+    def delta(self, piece: str, final: bool, new_tokens: bool = False) -> DeltaMessage | None:
+        """The chunk's delta; None: nothing to send. Plain content (no reasoning / tool parser) sends a delta
+        for every output with new tokens, empty when they add no text yet (as vLLM: one chunk per step)."""
         mode = self.run.tools.mode
         if mode == "named":  # the output is the arguments: stream them as they come
             if not piece and not final:
@@ -221,7 +223,8 @@ class _ChoiceStream:
             d = f if d is None else type(f)(d.reasoning + f.reasoning, d.content + f.content,
                                              d.tool_calls + f.tool_calls)
         if not d:
-            return None
+            plain = self.parser.reasoning is None and self.parser.tools is None
+            return DeltaMessage(content="") if plain and new_tokens else None
         tcs = []
         for t in d.tool_calls:
             item: dict = {"index": t.index, "function": {"arguments": t.arguments}}
@@ -268,7 +271,7 @@ async def _stream(gen: Generation, req: ChatCompletionRequest, model: str, creat
                                                                       top_n, req.return_tokens_as_token_ids))
                 sent_chars[c.index] = start_chars + len(piece)
                 sent_tokens[c.index] = len(c.token_ids)
-                delta = st.delta(piece, c.finished)
+                delta = st.delta(piece, c.finished, bool(new_ids))
                 if not (delta is not None or c.finished or logprobs is not None):
                     continue
                 finish = c.finish_reason

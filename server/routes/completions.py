@@ -188,7 +188,10 @@ async def _stream(gen: Generation, req: CompletionRequest, model: str, created: 
                               ro.prompt_logprobs or [None] * len(ro.prompt_token_ids), True)
                         b.restart(len(prefix))
                     b.add(logprobs, new_ids, (c.logprobs or [])[start_tok:])
-                if not (delta or prefix or c.finished or (logprobs is not None and new_ids)):
+                # a chunk per engine output with new tokens, even when they add no text yet (a partial UTF-8
+                # character, a held-back stop-string prefix, a special token): vLLM does the same, and
+                # clients time tokens by chunks (skipping them made bursts of ~24 tokens on a byte-level vocab)
+                if not (delta or prefix or c.finished or new_ids):
                     continue
                 sent_chars[idx] = start_chars + len(delta)
                 sent_tokens[idx] = len(c.token_ids)
