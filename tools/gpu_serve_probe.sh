@@ -8,6 +8,8 @@
 #   bash tools/gpu_serve_probe.sh bench   # ~3.5 min: the no-blocking-sync GPU tests (admission / prefill /
 #       # penalised steps, steady decode; tiny model), one traced probe, `bench serve` c = 1 and 64 on the
 #       # default server, then `bench batched` npl 1 / 64 (ratios: TPOT vs ms/step, c = 64 tok/s vs S_TG)
+#   bash tools/gpu_serve_probe.sh mnbt    # ~3.5 min: `bench serve` c = 1 and 64 at --max-num-batched-tokens
+#       # 8192 / 4096 / 1024 (the default is 2048)
 [ -n "$PROBE_LOCAL" ] || . tools/device_env.sh >/dev/null  # PROBE_LOCAL=1: a CPU dry run (SERVE=...)
 OUT=${OUT:-/tmp/out}; R=/tmp/sprobe; mkdir -p $R $OUT
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -67,6 +69,11 @@ case "${1:-probe}" in
     timeout 120 python3 -m linrnn_serve bench batched --model qwen35moe-nvfp4 --load-format dummy --npp 128 --ntg 128 \
       --npl 1,64 --no-progress --out $R/batched > $R/batched.log 2>&1
     el "batched done"; grep -E "^\| (PP|128)" $R/batched/batched.md | head -8 ;;
+  mnbt)  # c = 64 (and c = 1) throughput against --max-num-batched-tokens (default 2048)
+    for m in 8192 4096 1024; do
+      SERVE="$SERVE --max-num-batched-tokens $m" start_server mnbt$m 8045 && serve mnbt$m 8045 1,64; stop_server
+      el "max-num-batched-tokens $m done"
+    done ;;
 esac
 rm -rf $R/trace_*/core-*.jsonl.tmp
 tar czf $OUT/serve_probe.tgz -C /tmp sprobe
