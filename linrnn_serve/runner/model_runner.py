@@ -22,9 +22,14 @@ The persistent device batch (what lives on the device from step to step, indexed
      computed in the graph from its seed and position (sampler.uniform);
   * `slot_ids`  the id each slot sampled last: a decode row whose token the host has not seen yet
      (DecodeRow.token_id == -1, overlapped steps) is fed from it, so step N+1 can be launched before
-     step N's ids reach the host.
+     step N's ids reach the host;
+  * `penalties`  (at the first penalised request) each slot's output-token counts, prompt-token mask and
+     penalties (sampler.PenaltyState): built when a sequence's first penalised row reaches the slot,
+     then each step adds its sampled token on the device.
 Per decode step only the ids the host knows, positions and slots cross the bus (one pinned copy), plus
-the block-table rows and slot parameters that changed. Host staging buffers are double-buffered (two
+the block-table rows and slot parameters that changed. Every other small upload (admission resets, prefix
+snapshot indices, eager prefill inputs, logit edits) goes through pinned memory too (inputs.to_device):
+no step blocks on the device. Host staging buffers are double-buffered (two
 steps may be in flight); a buffer is rewritten only after the event of the step that used it.
 """
 from __future__ import annotations
