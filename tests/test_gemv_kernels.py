@@ -126,6 +126,28 @@ def test_prologues(poison_empty, prologue):
     assert rel_fro(y, ref) <= _tol(dtype)
 
 
+@pytest.mark.parametrize("M,cfg", [(1, gcfg.SkinnyConfig(1, 128, 1, 8, 1, False)),
+                                   (3, gcfg.SkinnyConfig(2, 64, 2, 4, 1, False)),
+                                   (20, gcfg.SkinnyConfig(1, 64, 1, 4, 1, False))],
+                         ids=["1row-longk-8warps", "2rows-split2", "1row-72tiles-2chunks"])
+def test_narrow_tiles_gated_norm_and_row_norm(poison_empty, M, cfg):
+    """The sweep's narrow / long FMA tiles (1-2 weight rows, a program's whole K slice in one tile) with the
+    out projection's fusions: gated-norm prologue, residual add, next RMSNorm; 72 tiles at 20 rows take two
+    chunks of the row-norm's sum of shares (2048 / 32 rows)."""
+    dtype, K, N, head = torch.bfloat16, 128, 72, 32
+    x = torch.randn(M, K, device=DEV).to(dtype)
+    z = torch.randn(M, K + 3, device=DEV).to(dtype)[:, 3:]
+    kw = dict(prologue_kind="gated_norm", gate=z, pro_w=(1 + 0.1 * torch.randn(head, device=DEV)).to(dtype),
+              head=head, residual=torch.randn(M, N, device=DEV).to(dtype),
+              norm_w=(0.1 * torch.randn(N, device=DEV)).to(dtype))
+    w = _weight(N, K, "dense", dtype)
+    normed, h = skinny.skinny_linear(x, w, cfg, **kw)
+    rnormed, rh = naive.skinny_linear(x, w, **kw)
+    assert rel_fro(h, rh) <= 2e-2 and rel_fro(normed, rnormed) <= 2e-2
+    assert not torch.isnan(normed).any() and not torch.isnan(h).any()
+    assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["fma", "fma-split3", "dot-split2"])
 def test_conv_epilogue(poison_empty, cfg):
     """GDN in_proj with the causal conv + SiLU of the first C columns in the epilogue, conv state shifted in

@@ -16,7 +16,8 @@ fraction of the copy bandwidth measured in the same run. Compiles run first in a
 disk cache then serves the timing process).
 
 Writes <out>/gemv.md, gemv.json and skinny_table.json (per N,K,fmt key: the fastest config per M and `max_m`,
-the largest M up to which the fused kernel beat the unfused chain at every M; "router": {"max_m": ...}).
+the largest M up to which the fused kernel beat the unfused chain at every M; "router": {"max_m": ...}); with
+--base-table, that table updated by this sweep's keys and rows (a sweep over some M or cases only).
 
     python -m linrnn_bench.kernels.gemv --out benchmarks/results/kernels/gemv
 """
@@ -68,24 +69,34 @@ def n_out(case: Case, cfg) -> int:
     return case.rows
 
 
+# FMA tiles (block_n, block_k): the narrow / long ones (1-8 weight rows x 1024-2048 of K) put a program's
+# whole K slice in flight at once (K = 4096 out projections: no split-K ticket, or one short split)
+FMA_TILES = ((32, 256), (16, 256), (16, 512), (8, 512), (8, 256), (4, 512), (8, 128), (4, 256),
+             (16, 1024), (8, 1024), (4, 1024), (2, 1024), (4, 2048), (2, 2048), (1, 2048))
+DOT_TILES = ((32, 128, 4), (64, 128, 4), (64, 64, 6), (32, 256, 3), (128, 64, 4), (64, 256, 3), (16, 256, 3))
+
+
 def candidates(M: int, N: int, K: int, lm_head: bool = False):
-    """Tile configs worth timing for an [M, K] x [N, K]^T projection."""
+    """Tile configs worth timing for an [M, K] x [N, K]^T projection: FMA tiles with 4 or 8 warps (at most 64
+    f32 products per thread, at least 16) up to 8 rows, tensor-core dots from 4 rows up."""
     from linrnn_kernels.gemv.config import SkinnyConfig, split_for
 
     bm = 1 << (max(M, 1) - 1).bit_length()
     out = []
     if bm <= 8:
-        for bn, bk in ((32, 256), (16, 256), (16, 512), (8, 512), (8, 256), (4, 512), (8, 128), (4, 256)):
-            if bk > K or not 2048 <= bm * bn * bk <= 8192:
-                continue
-            s = split_for(N, K, bn, bk, 4 * SMS)
-            out.append(SkinnyConfig(bn, bk, s, 4, 1, False))
-            if s > 1 and not lm_head:
-                out.append(SkinnyConfig(bn, bk, max(1, s // 2), 4, 1, False))
+        for warps in (4, 8):
+            for bn, bk in FMA_TILES:
+                if bk > K or not 16 * 32 * warps <= bm * bn * bk <= 64 * 32 * warps:
+                    continue
+                s = split_for(N, K, bn, bk, 4 * SMS)
+                out.append(SkinnyConfig(bn, bk, s, warps, 1, False))
+                if s > 1 and not lm_head:
+                    out.append(SkinnyConfig(bn, bk, max(1, s // 2), warps, 1, False))
     if M >= 4:
-        for bn, bk, st in ((32, 128, 4), (64, 128, 4), (64, 64, 6), (32, 256, 3), (128, 64, 4)):
-            if bk <= K:
-                out.append(SkinnyConfig(bn, bk, split_for(N, K, bn, bk, 2 * SMS), 4, st, True))
+        for warps in (4, 8):
+            for bn, bk, st in DOT_TILES:
+                if bk <= K and (warps == 4 or bn >= 64):
+                    out.append(SkinnyConfig(bn, bk, split_for(N, K, bn, bk, 2 * SMS), warps, st, True))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -235,6 +246,19 @@ def table_from_rows(rows: list[dict]) -> dict:
     return table
 
 
+def merge_tables(base: dict, new: dict, ms: list[int]) -> dict:
+    """`base` (an earlier table) updated by a sweep over the rows `ms` only: each measured key takes the new
+    config at the measured M and keeps the base's at the others; its max_m is the new one where the fused
+    call lost at a measured M, else (it won at every measured M) the base's if that reaches further."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, e in new.items():
+        m = out.setdefault(key, {})
+        m.update({k: v for k, v in e.items() if k != "max_m"})
+        won_all = e["max_m"] >= max(ms)
+        m["max_m"] = max(e["max_m"], int(m.get("max_m", 0))) if won_all and "max_m" in m else e["max_m"]
+    return out
+
+
 def _jobs(cfg, ms, only):
     jobs = []
     for ci, case in enumerate(cases(cfg)):
@@ -350,6 +374,9 @@ def run(args) -> dict:
             del inp
             torch.cuda.empty_cache()
     table = table_from_rows(rows)
+    if args.base_table:
+        with open(args.base_table) as f:
+            table = merge_tables(json.load(f), table, ms)
     res = {"env": env_info(model=args.model), "copy_GBs": copy, "rows": rows, "table": table,
            "compile_failures": failed}
     os.makedirs(args.out, exist_ok=True)
@@ -387,6 +414,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     p.add_argument("--out", default="benchmarks/results/kernels/gemv")
+    p.add_argument("--base-table", default=None, metavar="JSON",
+                   help="write skinny_table.json as this table updated by the sweep (merge_tables)")
     p.add_argument("--table-from", default=None, metavar="GEMV_JSON",
                    help="only rebuild skinny_table.json (current keys) from an earlier run's gemv.json")
     args = p.parse_args(argv)

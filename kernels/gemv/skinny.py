@@ -14,8 +14,9 @@ ticket, reset to 0 by that program so a captured graph can replay) sums them in 
 (unrolled: all partial loads in flight together): the result does not depend on which program finishes
 last, so it is bit-reproducible. The row-norm epilogue (the next RMSNorm needs a whole row): each tile
 stores its share of the rows' sums of squares, a second ticket elects the last tile, which adds the
-shares in tile order and normalises the live rows in one pass over h. The conv epilogue reads the
-whole conv state of its columns before any thread shifts it (a CTA barrier between).
+shares in a fixed order (tree sums of 2048 / rows tiles at a time) and normalises the live rows in one
+pass over h. The conv epilogue reads the whole conv state of its columns before any thread shifts it (a
+CTA barrier between).
 
 Weights: bf16/f16/f32 ("dense") or FP8 E4M3 with a per-row f32 scale (per-tensor scales are stored
 broadcast per row, layers/quant.py). Activations bf16/f16/f32; accumulation f32; every intermediate
@@ -216,15 +217,18 @@ def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, sa
     tl.store(out_ptr + rows[:, None] * so + offs_n[None, :], y.to(ACT), mask=mask)
     if ROW_NORM:
         # this tile's share of each row's sum of squares (of the stored h values); the last tile adds the
-        # shares in tile order (bit-reproducible) and normalises the rows in one pass over h
+        # shares in a fixed order (bit-reproducible) and normalises the rows in one pass over h
         tl.store(sumsq_ptr + pid_n * BLOCK_M + rows, tl.sum(tl.where(mask, y * y, 0.0), axis=1))
         tl.debug_barrier()
         done = tl.atomic_add(tick_ptr + n_tiles, 1, sem="acq_rel", scope="gpu")
         if done == n_tiles - 1:
             tl.debug_barrier()
-            offs_t = tl.arange(0, 64)
+            # all tiles' shares in one load when they fit (2048 values): narrow tiles (1-4 weight rows, up to
+            # 1024 tiles) would otherwise pay one dependent L2 round trip per 64 tiles here
+            T_CHUNK: tl.constexpr = 2048 // BLOCK_M
+            offs_t = tl.arange(0, T_CHUNK)
             ss = tl.zeros((BLOCK_M,), tl.float32)
-            for t0 in range(0, n_tiles, 64):
+            for t0 in range(0, n_tiles, T_CHUNK):
                 part = tl.load(sumsq_ptr + (t0 + offs_t)[:, None] * BLOCK_M + rows[None, :],
                                mask=(t0 + offs_t < n_tiles)[:, None], other=0.0, cache_modifier=".cg")
                 ss += tl.sum(part, axis=0)

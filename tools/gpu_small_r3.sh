@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Small-batch decode (#15) round 3, device calls (repo root as cwd; each stage under `timeout`):
+#   bash tools/gpu_small_r3.sh sweep   the gemv sweep over the four latency-bound fused projections (K = 4096 out
+#                                      projections, shared-expert down, router + shared gate_up) at M = 1,2,4,8 with
+#                                      the narrow / long FMA tiles and 8-warp configs -> $OUT/sweep.tgz (gemv.md,
+#                                      gemv.json, skinny_table.json = kernels/gemv/tuned.json updated by the sweep)
+#   bash tools/gpu_small_r3.sh ab      bench batched npl 1,8,128 on the tree as it came (main: the current default)
+#                                      then on the overlay (.gpu/$BR copied over), profiles at npl 1 and 128 for the
+#                                      new one, component tables -> $OUT/ab.tgz
+#   bash tools/gpu_small_r3.sh kl      GPU tests (gemv kernels, fused decode step, graphs on == off engines) and the
+#                                      KL gate of the default model on the GPU with the fused kernels -> $OUT/kl.tgz
+. tools/device_env.sh >/dev/null
+R=/tmp/r3; mkdir -p $R; FINAL=${OUT:-/tmp/out}; mkdir -p $FINAL
+BR=${BR:-small-decode}
+case "$1" in
+sweep)
+  [ -d .gpu/$BR ] && cp -r .gpu/$BR/. ./
+  mkdir -p $R/gemv
+  timeout 215 python3 -m linrnn_bench.kernels.gemv --out $R/gemv --m 1,2,4,8 \
+    --only gdn.out_proj,attn.o_proj,shared.down,router --base-table kernels/gemv/tuned.json 2>&1 \
+    | grep -vE "Warning|warn" > $R/gemv/sweep.log
+  grep -E "precompiled|not timed" $R/gemv/sweep.log | head -5
+  grep -E "^(gdn|attn|shared|router)" $R/gemv/sweep.log | grep -E "M= ?[18] " | cut -c1-200
+  grep -E "^Per decode|^max_m" $R/gemv/sweep.log
+  tar czf $FINAL/sweep.tgz -C /tmp r3 ;;
+ab)
+  B="python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,128 --no-progress"
+  timeout 110 $B --config 'model=qwen35moe-nvfp4,label=main (current default)' --out $R/main > $R/main.log 2>&1
+  grep -E "^\| 128 \| 128|Error" $R/main/batched.md $R/main.log | head -5
+  cp -r .gpu/$BR/. ./
+  timeout 120 $B --vllm-ref --profile 1,128 --profile-top 90 --config "model=qwen35moe-nvfp4,label=$BR (round 3)" \
+    --out $R/new > $R/new.log 2>&1
+  grep -E "^\| 128 \| 128|^profile:|Error" $R/new/batched.md $R/new.log | head -8
+  [ -f $R/new/batched.json ] && python3 -m linrnn_bench.step_components $R/new/batched.json --out $R/new/components.md
+  tar czf $FINAL/ab.tgz -C /tmp r3 ;;
+kl)
+  cp -r .gpu/$BR/. ./
+  timeout 60 python3 -m pytest -m gpu tests/test_gemv_kernels.py tests/test_fused_decode.py -q -p no:cacheprovider \
+    -rfE > $R/tests_kernels.log 2>&1; tail -1 $R/tests_kernels.log; grep -E "FAILED|ERROR" $R/tests_kernels.log | head
+  timeout 60 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
+    > $R/tests_engine.log 2>&1; tail -1 $R/tests_engine.log; grep -E "FAILED|ERROR" $R/tests_engine.log | head
+  KL="python3 -m linrnn_serve kl-gate --model default --device cuda --scoring decode --batch 32 --ctx 256,1024,2048"
+  timeout 110 $KL --ref ssm-bf16-tau=inf --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
+  tail -12 $R/kl_tau16.log | grep -E "^\|" 
+  tar czf $FINAL/kl.tgz -C /tmp r3 ;;
+esac
