@@ -40,7 +40,14 @@ kl)
   timeout 60 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
     > $R/tests_engine.log 2>&1; tail -1 $R/tests_engine.log; grep -E "FAILED|ERROR" $R/tests_engine.log | head
   KL="python3 -m linrnn_serve kl-gate --model default --device cuda --scoring decode --batch 32 --ctx 256,1024,2048"
-  timeout 110 $KL --ref ssm-bf16-tau=inf --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
-  tail -12 $R/kl_tau16.log | grep -E "^\|" 
+  # the committed gate (benchmarks/results/kl_gate/default_drift_tau16, CPU): tau = inf vs tau = 16, now on the GPU
+  timeout 70 $KL --ref ssm-bf16-tau=inf --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
+  grep -E "^\||KL gate" $R/kl_tau16.log | tail -6
+  # what the fused kernels alone move at tau = inf: the unfused kernels' log-probs as the reference
+  LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 LINRNN_FUSED_ROPE_KV=0 timeout 40 $KL --ref ssm-bf16-tau=inf \
+    --save-ref $R/unfused_ref.pt > $R/kl_unfused_ref.log 2>&1
+  timeout 40 $KL --compare-ref $R/unfused_ref.pt --test ssm-bf16-tau=inf --out $R/kl_fused_vs_unfused \
+    > $R/kl_fused.log 2>&1
+  grep -E "^\||KL gate" $R/kl_fused.log | tail -6; rm -f $R/unfused_ref.pt
   tar czf $FINAL/kl.tgz -C /tmp r3 ;;
 esac
