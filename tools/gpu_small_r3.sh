@@ -3,7 +3,8 @@
 #   bash tools/gpu_small_r3.sh sweep   the gemv sweep over the four latency-bound fused projections (K = 4096 out
 #                                      projections, shared-expert down, router + shared gate_up) at M = 1,2,4,8 with
 #                                      the narrow / long FMA tiles and 8-warp configs -> $OUT/sweep.tgz (gemv.md,
-#                                      gemv.json, skinny_table.json = kernels/gemv/tuned.json updated by the sweep)
+#                                      gemv.json, skinny_table.json = kernels/gemv/tuned.json updated by the sweep);
+#                                      then gdn.in_proj and attn.qkv at M = 1 on top (gemv_m1/skinny_table.json)
 #   bash tools/gpu_small_r3.sh ab      bench batched npl 1,8,128 on the tree as it came (main: the current default)
 #                                      then on the overlay (.gpu/$BR copied over), profiles at npl 1 and 128 for the
 #                                      new one, component tables -> $OUT/ab.tgz
@@ -15,13 +16,18 @@ BR=${BR:-small-decode}
 case "$1" in
 sweep)
   [ -d .gpu/$BR ] && cp -r .gpu/$BR/. ./
-  mkdir -p $R/gemv
-  timeout 215 python3 -m linrnn_bench.kernels.gemv --out $R/gemv --m 1,2,4,8 \
+  mkdir -p $R/gemv $R/gemv_m1
+  timeout 150 python3 -m linrnn_bench.kernels.gemv --out $R/gemv --m 1,2,4,8 \
     --only gdn.out_proj,attn.o_proj,shared.down,router --base-table kernels/gemv/tuned.json 2>&1 \
     | grep -vE "Warning|warn" > $R/gemv/sweep.log
-  grep -E "precompiled|not timed" $R/gemv/sweep.log | head -5
-  grep -E "^(gdn|attn|shared|router)" $R/gemv/sweep.log | grep -E "M= ?[18] " | cut -c1-200
-  grep -E "^Per decode|^max_m" $R/gemv/sweep.log
+  # then the two large plain / conv projections at one row, on top of that table
+  timeout 60 python3 -m linrnn_bench.kernels.gemv --out $R/gemv_m1 --m 1 --only gdn.in_proj,attn.qkv \
+    --base-table $R/gemv/skinny_table.json 2>&1 | grep -vE "Warning|warn" > $R/gemv_m1/sweep.log
+  for d in gemv gemv_m1; do
+    grep -E "precompiled|not timed" $R/$d/sweep.log | head -5
+    grep -E "^(gdn|attn|shared|router)" $R/$d/sweep.log | grep -E "M= ?[18] " | cut -c1-200
+    grep -E "^Per decode|^max_m" $R/$d/sweep.log
+  done
   tar czf $FINAL/sweep.tgz -C /tmp r3 ;;
 ab)
   B="python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,128 --no-progress"
