@@ -249,7 +249,11 @@ for (pro, epi, res, norm, dot, split, bm, pdl) in [(0, 0, 0, 0, 0, 4, 1, 0), (2,
     wide = len(re.findall(r"ld\.global\.L1::evict_first\.L2::cache_hint\.v4\.b32", ptx)) + \
         len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx))
     narrow = len(re.findall(r"ld\.global\.L1::evict_first\.L2::cache_hint\.(b16|b32|v2)", ptx))
-    print("VARIANT", pro, epi, dot, "v4loads", wide if not narrow else 0, "gdc", "griddepcontrol" in ptx and "prefetch.global.L2" in ptx)
+    # PDL: the FMA tiles' first weight loads are issued before griddepcontrol.wait (they overlap the previous kernel)
+    wait = ptx.find("griddepcontrol.wait")
+    first_w = ptx.find("ld.global.L1::evict_first")
+    early = wait > 0 and "griddepcontrol.launch_dependents" in ptx and (dot == 1 or 0 <= first_w < wait)
+    print("VARIANT", pro, epi, dot, "v4loads", wide if not narrow else 0, "gdc", early)
 from linrnn_kernels.moe import router_fused
 fn = router_fused._router_kernel
 for dot, bm in [(0, 1), (1, 32)]:
@@ -292,8 +296,8 @@ print("COMPILED")
 
 def test_compiles_for_sm90_with_16_byte_weight_loads():
     """Compiled for sm_90 outside the interpreter (no GPU needed): every prologue / epilogue / dot
-    variant compiles, weight loads are 16-byte vectors, and the PDL variants carry griddepcontrol and the
-    L2 weight prefetch ahead of it; so do the fused router (routing + alignment in the finishing
+    variant compiles, weight loads are 16-byte vectors, and the PDL variants carry griddepcontrol (the FMA
+    tiles issue their first weight loads before its wait); so do the fused router (routing + alignment in the finishing
     program, the shared expert's gate_up tiles) and q/k norm + RoPE with the KV-cache write."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], capture_output=True, text=True, env=env,

@@ -76,22 +76,6 @@ def _load_a(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, rows, cols, m_ok, k_ok, rstd, pro
 
 
 @triton.jit
-def _prefetch_weights(w_ptr, sw, offs_n, n_ok, k_lo, k_hi, N, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """prefetch.global.L2 of every 128-byte line of this program's weight slice (independent of the
-    previous kernel, so it may run before gdc_wait)."""
-    LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
-    lines = tl.arange(0, BLOCK_K // LINE) * LINE if BLOCK_K >= LINE else tl.arange(0, 1)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * sw + (k0 + lines)[None, :]
-        ptrs = tl.where(n_ok[:, None] & (k0 + lines < k_hi)[None, :], ptrs, w_ptr)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-        if GATED:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs + N * sw],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _mac(acc, a, w, COMPUTE: tl.constexpr):
     """acc += a w^T on the tensor cores (a [BLOCK_M >= 16, BLOCK_K], w [BLOCK_N, BLOCK_K])."""
     if COMPUTE == tl.float32:  # f32 models must not drop to TF32 (the interpreter computes in f32 too)
@@ -103,12 +87,15 @@ def _mac(acc, a, w, COMPUTE: tl.constexpr):
 def _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n, n_ok, k_lo, k_hi, N, rstd,
                pro_eps, PRO: tl.constexpr, GATED: tl.constexpr, HEAD: tl.constexpr, USE_DOT: tl.constexpr,
                COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr):
+               EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """(acc, acc_u) [BLOCK_M, BLOCK_N] f32: prologue(x)[:, k_lo:k_hi] W[offs_n]^T, and with GATED the same for
-    the up rows W[N + offs_n] (acc_u; zeros otherwise)."""
+    the up rows W[N + offs_n] (acc_u; zeros otherwise). PDL: waits for the previous kernel (gdc_wait) before
+    the first read of anything it may write; the FMA path issues its first weight tiles before that wait."""
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     offs_k = tl.arange(0, BLOCK_K)
     if USE_DOT:
+        if PDL:
+            gdc_wait()
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         w_rows = offs_n.to(tl.int64) * sw
@@ -144,6 +131,8 @@ def _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n,
         w_next = tl.load(w3 + k_lo, mask=wmask, other=0.0, eviction_policy="evict_first")
         if GATED:
             wu_next = tl.load(w3 + N * sw + k_lo, mask=wmask, other=0.0, eviction_policy="evict_first")
+        if PDL:  # the weights are never written by a kernel: their first tiles load while the previous kernel ends
+            gdc_wait()
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w = w_next
             kn = k0 + BLOCK_K
@@ -289,7 +278,7 @@ def _skinny_program(
         HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
         COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr,
-        ADD_GROUP: tl.constexpr, ADD_SPLITS: tl.constexpr):
+        ADD_GROUP: tl.constexpr, ADD_SPLITS: tl.constexpr, PDL: tl.constexpr):
     """Program (pid_n, pid_k) of an n_tiles x n_split grid (the fused router runs the shared expert's gate_up
     tiles through it too, with its own tickets)."""
     ACT: tl.constexpr = x_ptr.dtype.element_ty
@@ -300,6 +289,8 @@ def _skinny_program(
 
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     if PRO == 1:  # the whole row's sum of squares before the K loop (each program recomputes it)
+        if PDL:
+            gdc_wait()
         offs_k = tl.arange(0, BLOCK_K)
         ss = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -311,7 +302,8 @@ def _skinny_program(
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
     acc, acc_u = _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n, n_ok, k_lo, k_hi, N,
-                            rstd, pro_eps, PRO, EPI == 1, HEAD, USE_DOT, COMPUTE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                            rstd, pro_eps, PRO, EPI == 1, HEAD, USE_DOT, COMPUTE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                            PDL)
     if HAS_SCALE:
         acc = acc * tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if EPI == 1:
@@ -339,18 +331,14 @@ def _skinny_gemm_kernel(
         ADD_SPLITS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PDL:  # let the next kernel launch; pull this program's weights into L2 while the previous one ends
+    if PDL:  # the next kernel may launch now (it waits for this one before reading what this one writes)
         gdc_launch_dependents()
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _prefetch_weights(w_ptr, sw, offs_n, offs_n < N, pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), N,
-                          EPI == 1, BLOCK_K)
-        gdc_wait()
     _skinny_program(pid_n, pid_k, tl.num_programs(0), tl.num_programs(1),
                     x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rs_ptr, ws_ptr, tick_ptr, sumsq_ptr,
                     out_ptr, so, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
                     M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
                     PRO, EPI, HAS_RES, ROW_NORM, KC, HAS_SCALE, HEAD, SPLIT_MAX, USE_DOT, COMPUTE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, RM, KCP, ADD_GROUP, ADD_SPLITS)
+                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, RM, KCP, ADD_GROUP, ADD_SPLITS, PDL)
 
 
 _tickets: dict[torch.device, torch.Tensor] = {}

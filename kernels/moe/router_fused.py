@@ -28,7 +28,6 @@ from linrnn_kernels.gemv.skinny import (
     _skinny_program,
     _split_reduce,
     gdc_launch_dependents,
-    gdc_wait,
     pipeline_stages,
     tickets,
 )
@@ -97,7 +96,7 @@ def _router_program(pid_n, pid_k, n_tiles, n_split, x_ptr, sx, w_ptr, sw, ws_ptr
                     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
                     COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     m_ok = rows < M
@@ -106,7 +105,7 @@ def _router_program(pid_n, pid_k, n_tiles, n_split, x_ptr, sx, w_ptr, sw, ws_ptr
     k_lo = pid_k * K_PER
     acc, acc_u = _gemm_tile(x_ptr, sx, x_ptr, 0, 1, x_ptr, w_ptr, sw, rows, m_ok, offs_n, n_ok, k_lo,
                             tl.minimum(k_lo + K_PER, K), NL, tl.zeros((BLOCK_M,), tl.float32), 0.0, 0, False, 1,
-                            USE_DOT, COMPUTE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                            USE_DOT, COMPUTE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL)
     tile_done = True
     if SPLIT_MAX > 1:
         tile_done, acc, acc_u = _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n, pid_k,
@@ -135,9 +134,8 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
                    PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    if PDL:  # the next kernel may launch now; the GEMM tiles wait for the previous one (gdc_wait) after
+        gdc_launch_dependents()  # issuing their first weight loads
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -148,13 +146,13 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                         tick_ptr + n_tiles_r + 1, ws13_ptr, h_ptr, sh, x_ptr, 0, 0, x_ptr, 0, x_ptr, 0, x_ptr, x_ptr, 0,
                         M, NI, K, K_PER, 0.0, 0.0, x_ptr, x_ptr, 0, x_ptr, 0,
                         0, 1, False, False, 2, False, 1, SPLIT_MAX, USE_DOT, COMPUTE,
-                        BLOCK_M, BLOCK_N, BLOCK_K, 16, EVEN_K, 1, 1, 1, 0)
+                        BLOCK_M, BLOCK_N, BLOCK_K, 16, EVEN_K, 1, 1, 1, 0, PDL)
     else:
         _router_program(pid_n, pid_k, n_tiles_r, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                         tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                         M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_MAX, USE_DOT, COMPUTE,
                         BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
-                        EVEN_K)
+                        EVEN_K, PDL)
 
 
 def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormalize: bool, block_m: int,
