@@ -208,6 +208,14 @@ def test_switches(monkeypatch, tmp_path):
     monkeypatch.setenv("LINRNN_SKINNY_TABLE", str(table))
     assert gcfg.skinny_enabled(4, 2048, 4096, "dense") and not gcfg.skinny_enabled(8, 2048, 4096, "dense")
     assert gcfg.skinny_config(2, 2048, 4096, "dense", None) == gcfg.SkinnyConfig(64, 128, 4, 4, 2, False)
+    # programmatic dependent launch: on by default where available (sm_90+), LINRNN_PDL=0 turns it off
+    x = torch.empty(1, 8)
+    monkeypatch.delenv("LINRNN_PDL", raising=False)
+    assert gcfg.pdl_launch_kwargs(x) == {"PDL": False}  # a CPU tensor: not available
+    monkeypatch.setattr(gcfg, "pdl_available", lambda device: True)
+    assert gcfg.pdl_launch_kwargs(x) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("LINRNN_PDL", "0")
+    assert gcfg.pdl_launch_kwargs(x) == {"PDL": False}
 
 
 _SKINNY_SIGNATURE = r"""
@@ -481,3 +489,37 @@ def test_f32_dot_tiles_fit_sm90_shared_memory():
     line = [s for s in out.stdout.splitlines() if s.startswith("SHARED")]
     assert line, out.stderr[-3000:]
     assert int(line[0].split()[1]) <= 232448
+
+
+# ---- the sweep behind kernels/gemv/tuned.json ----------------------------------------------------------
+
+
+def test_sweep_table_merge_and_markdown():
+    """A partial sweep (some cases, some M) updates the committed table: measured keys take the new configs at the
+    measured M and keep the others; max_m follows the new sweep where the fused call lost, else reaches as far as
+    the old table did; the markdown skips the table's "_source" note."""
+    from linrnn_bench.kernels import gemv as sweep
+
+    def row(key, M, fused, chain, cfg):
+        return {"case": "c", "key": key, "plain": False, "N": 8, "K": 16, "M": M, "calls": 1, "chain_us": chain,
+                "cublas_us": chain, "fused_us": fused, "pct_copy": 1.0, "cublas_pct_copy": 1.0, "floor_us": 0.1,
+                "vs_chain": chain / fused, "best_config": cfg}
+
+    rows = [row("a", 1, 5.0, 9.0, [4, 1024, 1, 8, 1, 0]), row("a", 8, 8.0, 9.0, [64, 128, 16, 8, 4, 1]),
+            row("b", 1, 5.0, 9.0, [1, 2048, 1, 4, 1, 0]), row("b", 8, 10.0, 9.0, [4, 256, 2, 8, 1, 0])]
+    new = sweep.table_from_rows(rows)
+    assert new["a"]["max_m"] == 8 and new["b"]["max_m"] == 1
+    base = {"_source": "note", "a": {"max_m": 16, "1": [16, 256, 4, 4, 1, 0], "16": [64, 128, 16, 4, 4, 1]},
+            "b": {"max_m": 8, "1": [4, 512, 2, 4, 1, 0]}, "c": {"max_m": 2, "1": [8, 256, 1, 4, 1, 0]}}
+    merged = sweep.merge_tables(base, new, [1, 8])
+    assert merged["a"] == {"max_m": 16, "1": [4, 1024, 1, 8, 1, 0], "8": [64, 128, 16, 8, 4, 1],
+                           "16": [64, 128, 16, 4, 4, 1]}
+    assert merged["b"]["max_m"] == 1 and merged["b"]["1"] == [1, 2048, 1, 4, 1, 0]
+    assert merged["c"] == base["c"] and merged["_source"] == "note"
+    md = sweep.markdown({"env": {}, "copy_GBs": 4200.0, "rows": rows, "table": merged}, [1, 8])
+    assert "a: 16, b: 1, c: 2" in md and "_source" not in md
+    # every FMA candidate holds at most 64 f32 products per thread
+    for M in (1, 2, 8):
+        for c in sweep.candidates(M, 2048, 4096):
+            if not c.use_dot:
+                assert M * c.block_n * c.block_k <= 64 * 32 * c.num_warps

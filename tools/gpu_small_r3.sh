@@ -6,13 +6,14 @@
 #                                      gemv.json, skinny_table.json = kernels/gemv/tuned.json updated by the sweep);
 #                                      then gdn.in_proj and attn.qkv at M = 1 on top (gemv_m1/skinny_table.json)
 #   bash tools/gpu_small_r3.sh ab      bench batched npl 1,8,128 (no profiles) on the tree as it came (main: the
-#                                      current default), then on the overlay (.gpu/$BR copied over), then the overlay
-#                                      with LINRNN_PDL=1; the gemv kernel GPU tests under PDL -> $OUT/ab.tgz
-#   bash tools/gpu_small_r3.sh final   the overlay's defaults: bench batched npl 1,8,128 with profiles at npl 1 and
-#                                      128 + component tables; gemv / fused-decode kernel GPU tests -> $OUT/final.tgz
-#   bash tools/gpu_small_r3.sh kl      engine GPU tests (graphs on == off) and the KL gate of the default model on
-#                                      the GPU: tau = inf vs 16 with the fused kernels (the committed CPU gate), and
-#                                      the fused kernels vs the unfused ones at tau = inf -> $OUT/kl.tgz
+#                                      current default), then on the overlay (.gpu/$BR copied over) with LINRNN_PDL=0,
+#                                      then with LINRNN_PDL=1; the gemv kernel GPU tests under PDL -> $OUT/ab.tgz
+#   bash tools/gpu_small_r3.sh final   main's tree, then the overlay's defaults with profiles at npl 1 and 128 +
+#                                      component tables (bench batched npl 1,8,128); gemv / fused-decode kernel GPU
+#                                      tests -> $OUT/final.tgz
+#   bash tools/gpu_small_r3.sh kl      the KL gate of the default model on the GPU: tau = inf vs 16 with the fused
+#                                      kernels (the committed CPU gate), and the fused kernels vs the unfused ones at
+#                                      tau = inf; engine GPU tests (graphs on == off) -> $OUT/kl.tgz
 . tools/device_env.sh >/dev/null
 R=/tmp/r3; mkdir -p $R; FINAL=${OUT:-/tmp/out}; mkdir -p $FINAL
 BR=${BR:-small-decode}
@@ -33,13 +34,13 @@ sweep)
   done
   tar czf $FINAL/sweep.tgz -C /tmp r3 ;;
 ab)
-  # one run each, same machine: main's tree (the current default), the overlay, the overlay with LINRNN_PDL=1;
-  # then the skinny GEMM / fused router GPU tests under PDL
+  # one run each, same machine: main's tree (the current default), the overlay without PDL, the overlay with PDL
+  # (the overlay's default since); then the skinny GEMM / fused router GPU tests under PDL
   B="python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,128 --no-progress --vllm-ref"
   timeout 80 $B --config 'model=qwen35moe-nvfp4,label=main (current default)' --out $R/main > $R/main.log 2>&1
   grep -E "^\| 128 \| 128|Error" $R/main/batched.md $R/main.log | head -5
   cp -r .gpu/$BR/. ./
-  timeout 70 $B --config "model=qwen35moe-nvfp4,label=$BR" --out $R/new > $R/new.log 2>&1
+  LINRNN_PDL=0 timeout 70 $B --config "model=qwen35moe-nvfp4,label=$BR" --out $R/new > $R/new.log 2>&1
   grep -E "^\| 128 \| 128|Error" $R/new/batched.md $R/new.log | head -5
   LINRNN_PDL=1 timeout 70 $B --config "model=qwen35moe-nvfp4,label=$BR + LINRNN_PDL=1" --out $R/new_pdl > $R/new_pdl.log 2>&1
   grep -E "^\| 128 \| 128|Error" $R/new_pdl/batched.md $R/new_pdl.log | head -5
@@ -47,31 +48,34 @@ ab)
     > $R/tests_pdl.log 2>&1; tail -1 $R/tests_pdl.log; grep -E "FAILED|ERROR" $R/tests_pdl.log | head -5
   tar czf $FINAL/ab.tgz -C /tmp r3 ;;
 final)
-  # the closing run with the committed defaults: bench with profiles at npl 1 and 128 + component tables, and the
-  # kernel GPU tests (fused kernels vs their naive compositions at the 35B shapes, graph replay bit-identical)
+  # the closing run, main (the current default) then the overlay's defaults, one machine: bench batched npl 1,8,128,
+  # profiles at npl 1 and 128 for the overlay + component tables; the gemv / fused-decode kernel GPU tests (fused
+  # kernels vs their naive compositions at the 35B shapes, graph replay bit-identical), PDL on (the default)
+  B="python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,128 --no-progress --vllm-ref"
+  timeout 75 $B --config 'model=qwen35moe-nvfp4,label=main (current default)' --out $R/main > $R/main.log 2>&1
+  grep -E "^\| 128 \| 128|Error" $R/main/batched.md $R/main.log | head -5
   cp -r .gpu/$BR/. ./
-  timeout 110 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,128 --vllm-ref \
-    --profile 1,128 --profile-top 90 --no-progress --config "model=qwen35moe-nvfp4,label=$BR (round 3 defaults)" \
+  timeout 95 $B --profile 1,128 --profile-top 90 --config "model=qwen35moe-nvfp4,label=$BR (round 3 defaults)" \
     --out $R/final > $R/final.log 2>&1
   grep -E "^\| 128 \| 128|^profile:|Error" $R/final/batched.md $R/final.log | head -8
   [ -f $R/final/batched.json ] && python3 -m linrnn_bench.step_components $R/final/batched.json \
-    --out $R/final/components.md
-  timeout 90 python3 -m pytest -m gpu tests/test_gemv_kernels.py tests/test_fused_decode.py -q -p no:cacheprovider \
+    --out $R/final/components.md > /dev/null
+  timeout 60 python3 -m pytest -m gpu tests/test_gemv_kernels.py tests/test_fused_decode.py -q -p no:cacheprovider \
     -rfE > $R/tests_kernels.log 2>&1; tail -1 $R/tests_kernels.log; grep -E "FAILED|ERROR" $R/tests_kernels.log | head
   tar czf $FINAL/final.tgz -C /tmp r3 ;;
 kl)
   cp -r .gpu/$BR/. ./
-  timeout 60 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
-    > $R/tests_engine.log 2>&1; tail -1 $R/tests_engine.log; grep -E "FAILED|ERROR" $R/tests_engine.log | head
   KL="python3 -m linrnn_serve kl-gate --model default --device cuda --scoring decode --batch 32 --ctx 256,1024,2048"
   # the committed gate (benchmarks/results/kl_gate/default_drift_tau16, CPU): tau = inf vs tau = 16, now on the GPU
-  timeout 70 $KL --ref ssm-bf16-tau=inf --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
+  timeout 80 $KL --ref ssm-bf16-tau=inf --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
   grep -E "^\||KL gate" $R/kl_tau16.log | tail -6
   # what the fused kernels alone move at tau = inf: the unfused kernels' log-probs as the reference
-  LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 LINRNN_FUSED_ROPE_KV=0 timeout 40 $KL --ref ssm-bf16-tau=inf \
+  LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 LINRNN_FUSED_ROPE_KV=0 timeout 45 $KL --ref ssm-bf16-tau=inf \
     --save-ref $R/unfused_ref.pt > $R/kl_unfused_ref.log 2>&1
-  timeout 40 $KL --compare-ref $R/unfused_ref.pt --test ssm-bf16-tau=inf --out $R/kl_fused_vs_unfused \
+  timeout 45 $KL --compare-ref $R/unfused_ref.pt --test ssm-bf16-tau=inf --out $R/kl_fused_vs_unfused \
     > $R/kl_fused.log 2>&1
   grep -E "^\||KL gate" $R/kl_fused.log | tail -6; rm -f $R/unfused_ref.pt
+  timeout 55 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
+    > $R/tests_engine.log 2>&1; tail -1 $R/tests_engine.log; grep -E "FAILED|ERROR" $R/tests_engine.log | head
   tar czf $FINAL/kl.tgz -C /tmp r3 ;;
 esac

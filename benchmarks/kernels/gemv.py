@@ -384,6 +384,16 @@ def run(args) -> dict:
         json.dump(res, f, indent=1)
     with open(os.path.join(args.out, "skinny_table.json"), "w") as f:
         json.dump(table, f, indent=1)
+    text = markdown(res, ms)
+    with open(os.path.join(args.out, "gemv.md"), "w") as f:
+        f.write(text)
+    print(text, flush=True)
+    return res
+
+
+def markdown(res: dict, ms: list[int]) -> str:
+    """gemv.md of a run's gemv.json content (rows measured at the rows `ms`)."""
+    rows, table, copy = res["rows"], res["table"], res["copy_GBs"]
     env = res["env"]
     lines = [f"# Skinny GEMM + fusions vs the unfused chain ({env.get('gpu')}, {str(env.get('commit', ''))[:10]}, "
              f"{env.get('date')})", "",
@@ -399,11 +409,9 @@ def run(args) -> dict:
     lines += ["", "Per decode step (calls x us): " + ", ".join(
         f"M={M}: fused {sum(r['calls'] * r['fused_us'] for r in rows if r['M'] == M):.0f} us vs chain "
         f"{sum(r['calls'] * r['chain_us'] for r in rows if r['M'] == M):.0f} us" for M in ms),
-        "", "max_m per key (fused used up to this M): " + ", ".join(f"{k}: {v['max_m']}" for k, v in table.items())]
-    with open(os.path.join(args.out, "gemv.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
-    return res
+        "", "max_m per key (fused used up to this M): " + ", ".join(
+            f"{k}: {v['max_m']}" for k, v in table.items() if isinstance(v, dict))]  # "_source" is a note
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:

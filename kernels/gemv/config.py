@@ -18,8 +18,11 @@ unfused chain is faster (every projection above its max_m, every batch above 32 
   LINRNN_FUSED_MOE_COMBINE=0      the routed experts' top-k / split-K combine as its own kernel (default 1: inside
                                   the shared expert's down projection, gate_add epilogue; H200, 2a73ece: 2.715 vs
                                   2.791 ms/step at npl 1, 4.562 vs 4.643 at npl 8, 367 vs 407 launches)
-  LINRNN_PDL=1                    programmatic dependent launch for these kernels (sm_90+, default off
-                                  until measured)
+  LINRNN_PDL=0                    no programmatic dependent launch for these kernels (default 1 on sm_90+: the
+                                  next kernel launches while this one runs and issues its first weight tiles before
+                                  it waits; H200, benchmarks/results/batched/small_round3/: 2.489 vs 2.619 ms/step at
+                                  npl 1, equal at npl 8 and 128. The first version, an L2 prefetch of the whole
+                                  weight slice, measured slower and is gone)
 
 `skinny_config(M, N, K, fmt, device)`: the table's config, else a default: FMA up to 4 rows, tensor-core dots
 (rows padded to 16) above; enough programs (N tiles x K splits) for ~4 / ~2 per SM; 16-byte weight loads.
@@ -165,5 +168,5 @@ def pdl_available(device) -> bool:
 
 def pdl_launch_kwargs(x: torch.Tensor) -> dict:
     """Launch options of a kernel that supports PDL: its PDL constexpr, plus Triton's launch_pdl."""
-    on = os.environ.get("LINRNN_PDL", "0") == "1" and pdl_available(x.device)
+    on = os.environ.get("LINRNN_PDL", "1") != "0" and pdl_available(x.device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
