@@ -14,6 +14,8 @@
 #   bash tools/gpu_small_r3.sh kl      the KL gate of the default model on the GPU: tau = inf vs 16 with the fused
 #                                      kernels (the committed CPU gate), and the fused kernels vs the unfused ones at
 #                                      tau = inf; engine GPU tests (graphs on == off) -> $OUT/kl.tgz
+#   bash tools/gpu_small_r3.sh closing the final profiles, the tau = 16 KL gate and the GPU tests in one call (what
+#                                      ran when the budget allowed one call for both) -> $OUT/closing.tgz
 . tools/device_env.sh >/dev/null
 R=/tmp/r3; mkdir -p $R; FINAL=${OUT:-/tmp/out}; mkdir -p $FINAL
 BR=${BR:-small-decode}
@@ -78,4 +80,23 @@ kl)
   timeout 55 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
     > $R/tests_engine.log 2>&1; tail -1 $R/tests_engine.log; grep -E "FAILED|ERROR" $R/tests_engine.log | head
   tar czf $FINAL/kl.tgz -C /tmp r3 ;;
+closing)
+  # final + kl in one call (the session's device budget allowed one more): the overlay's defaults with profiles at
+  # npl 1 and 128 + component tables; the KL gate tau = inf vs 16 on the GPU with the fused kernels; engine GPU tests
+  # (graphs on == off, PDL on); then the kernel GPU tests with what time is left
+  cp -r .gpu/$BR/. ./
+  timeout 85 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,128 --no-progress \
+    --vllm-ref --profile 1,128 --profile-top 90 --config "model=qwen35moe-nvfp4,label=$BR (round 3 defaults)" \
+    --out $R/final > $R/final.log 2>&1
+  grep -E "^\| 128 \| 128|^profile:|Error" $R/final/batched.md $R/final.log | head -8
+  [ -f $R/final/batched.json ] && python3 -m linrnn_bench.step_components $R/final/batched.json \
+    --out $R/final/components.md > /dev/null
+  timeout 60 python3 -m linrnn_serve kl-gate --model default --device cuda --scoring decode --batch 32 \
+    --ctx 256,1024,2048 --ref ssm-bf16-tau=inf --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
+  grep -E "^\||KL gate" $R/kl_tau16.log | tail -6
+  timeout 55 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
+    > $R/tests_engine.log 2>&1; tail -1 $R/tests_engine.log; grep -E "FAILED|ERROR" $R/tests_engine.log | head -5
+  timeout 25 python3 -m pytest -m gpu tests/test_gemv_kernels.py tests/test_fused_decode.py -q -p no:cacheprovider \
+    -rfE > $R/tests_kernels.log 2>&1; tail -1 $R/tests_kernels.log; grep -E "FAILED|ERROR" $R/tests_kernels.log | head
+  tar czf $FINAL/closing.tgz -C /tmp r3 ;;
 esac
