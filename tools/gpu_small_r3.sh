@@ -85,18 +85,18 @@ closing)
   # npl 1 and 128 + component tables; the KL gate tau = inf vs 16 on the GPU with the fused kernels; engine GPU tests
   # (graphs on == off, PDL on); then the kernel GPU tests with what time is left
   cp -r .gpu/$BR/. ./
-  timeout 85 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,128 --no-progress \
+  timeout 80 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,128 --no-progress \
     --vllm-ref --profile 1,128 --profile-top 90 --config "model=qwen35moe-nvfp4,label=$BR (round 3 defaults)" \
     --out $R/final > $R/final.log 2>&1
   grep -E "^\| 128 \| 128|^profile:|Error" $R/final/batched.md $R/final.log | head -8
   [ -f $R/final/batched.json ] && python3 -m linrnn_bench.step_components $R/final/batched.json \
     --out $R/final/components.md > /dev/null
-  timeout 60 python3 -m linrnn_serve kl-gate --model default --device cuda --scoring decode --batch 32 \
+  timeout 75 python3 -m linrnn_serve kl-gate --model default --device cuda --scoring decode --batch 32 \
     --ctx 256,1024,2048 --ref ssm-bf16-tau=inf --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
   grep -E "^\||KL gate" $R/kl_tau16.log | tail -6
-  timeout 55 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
+  timeout 50 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
     > $R/tests_engine.log 2>&1; tail -1 $R/tests_engine.log; grep -E "FAILED|ERROR" $R/tests_engine.log | head -5
-  timeout 25 python3 -m pytest -m gpu tests/test_gemv_kernels.py tests/test_fused_decode.py -q -p no:cacheprovider \
+  timeout 20 python3 -m pytest -m gpu tests/test_gemv_kernels.py tests/test_fused_decode.py -q -p no:cacheprovider \
     -rfE > $R/tests_kernels.log 2>&1; tail -1 $R/tests_kernels.log; grep -E "FAILED|ERROR" $R/tests_kernels.log | head
   tar czf $FINAL/closing.tgz -C /tmp r3 ;;
 esac
