@@ -11,9 +11,11 @@
 #   bash tools/gpu_small_r3.sh final   main's tree, then the overlay's defaults with profiles at npl 1 and 128 +
 #                                      component tables (bench batched npl 1,8,128); gemv / fused-decode kernel GPU
 #                                      tests -> $OUT/final.tgz
-#   bash tools/gpu_small_r3.sh kl      the KL gate of the default model on the GPU: tau = inf vs 16 with the fused
-#                                      kernels (the committed CPU gate), and the fused kernels vs the unfused ones at
-#                                      tau = inf; engine GPU tests (graphs on == off) -> $OUT/kl.tgz
+#   bash tools/gpu_small_r3.sh kl      (<= 9 min) the default model's KL on the GPU: the fused kernels vs the
+#                                      unfused ones at tau = inf (n_ctx 256), the tau = 16 gate at n_ctx 1024
+#                                      -> $OUT/kl.tgz
+#   bash tools/gpu_small_r3.sh tests   (~10 min) the gemv / fused-decode kernel GPU tests and the engine GPU tests
+#                                      (graphs on == off) in full, PDL on -> $OUT/tests.tgz
 #   bash tools/gpu_small_r3.sh closing the final profiles, the tau = 16 KL gate and the GPU tests in one call (what
 #                                      ran when the budget allowed one call for both) -> $OUT/closing.tgz
 . tools/device_env.sh >/dev/null
@@ -66,20 +68,27 @@ final)
     -rfE > $R/tests_kernels.log 2>&1; tail -1 $R/tests_kernels.log; grep -E "FAILED|ERROR" $R/tests_kernels.log | head
   tar czf $FINAL/final.tgz -C /tmp r3 ;;
 kl)
-  cp -r .gpu/$BR/. ./
-  KL="python3 -m linrnn_serve kl-gate --model default --device cuda --scoring decode --batch 32 --ctx 256,1024,2048"
-  # the committed gate (benchmarks/results/kl_gate/default_drift_tau16, CPU): tau = inf vs tau = 16, now on the GPU
-  timeout 80 $KL --ref ssm-bf16-tau=inf --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
-  grep -E "^\||KL gate" $R/kl_tau16.log | tail -6
-  # what the fused kernels alone move at tau = inf: the unfused kernels' log-probs as the reference
-  LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 LINRNN_FUSED_ROPE_KV=0 timeout 45 $KL --ref ssm-bf16-tau=inf \
-    --save-ref $R/unfused_ref.pt > $R/kl_unfused_ref.log 2>&1
-  timeout 45 $KL --compare-ref $R/unfused_ref.pt --test ssm-bf16-tau=inf --out $R/kl_fused_vs_unfused \
-    > $R/kl_fused.log 2>&1
-  grep -E "^\||KL gate" $R/kl_fused.log | tail -6; rm -f $R/unfused_ref.pt
-  timeout 55 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
-    > $R/tests_engine.log 2>&1; tail -1 $R/tests_engine.log; grep -E "FAILED|ERROR" $R/tests_engine.log | head
+  # for a call of up to 600 s (the lead's): what the fused kernels alone move at tau = inf (the unfused kernels'
+  # log-probs as the reference; --save-ref alone runs its model twice), then the tau = 16 gate at n_ctx 1024 (256
+  # is in closing); eager decode of the default model took up to ~0.1 s per step in the closing call
+  [ -d .gpu/$BR ] && cp -r .gpu/$BR/. ./
+  KL="python3 -m linrnn_serve kl-gate --model default --device cuda --scoring decode --batch 32"
+  LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 LINRNN_FUSED_ROPE_KV=0 timeout 150 $KL --ctx 256 \
+    --ref ssm-bf16-tau=inf --save-ref $R/unfused_ref.pt > $R/kl_unfused_ref.log 2>&1
+  timeout 100 $KL --ctx 256 --compare-ref $R/unfused_ref.pt --test ssm-bf16-tau=inf \
+    --out $R/kl_fused_vs_unfused > $R/kl_fused.log 2>&1
+  grep -E "^\||KL gate" $R/kl_fused.log | tail -4; rm -f $R/unfused_ref.pt
+  timeout 300 $KL --ctx 1024 --ref ssm-bf16-tau=inf --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
+  grep -E "^\||KL gate" $R/kl_tau16.log | tail -4
   tar czf $FINAL/kl.tgz -C /tmp r3 ;;
+tests)
+  # the GPU tests the closing call cut short (PDL on, the default), for a call of up to 600 s
+  [ -d .gpu/$BR ] && cp -r .gpu/$BR/. ./
+  timeout 250 python3 -m pytest -m gpu tests/test_gemv_kernels.py tests/test_fused_decode.py -q -p no:cacheprovider \
+    -rfE > $R/tests_kernels.log 2>&1; tail -1 $R/tests_kernels.log; grep -E "FAILED|ERROR" $R/tests_kernels.log | head
+  timeout 300 python3 -m pytest -m gpu tests/test_engine_gpu.py -k "a3b or tiny" -q -p no:cacheprovider -rfE \
+    > $R/tests_engine.log 2>&1; tail -1 $R/tests_engine.log; grep -E "FAILED|ERROR" $R/tests_engine.log | head
+  tar czf $FINAL/tests.tgz -C /tmp r3 ;;
 closing)
   # final + kl in one call (the session's device budget allowed one more): the overlay's defaults with profiles at
   # npl 1 and 128 + component tables; the KL gate tau = inf vs 16 on the GPU with the fused kernels; engine GPU tests
