@@ -24,6 +24,14 @@ the unfused chain rounds to the activation dtype is rounded here too.
 
 Memory ordering of the tickets: all threads' stores, a CTA barrier, then one acq_rel atomic at GPU
 scope (release); the winner reads the partials through L2 (`.cg`) after its acquire.
+
+Programmatic dependent launch (PDL constexpr, config.pdl_launch_kwargs: on by default on sm_90+): each launch
+first lets the next kernel launch (griddepcontrol.launch_dependents); its own programs issue their first
+weight tiles (FMA path) and then wait for the previous kernel (griddepcontrol.wait) before reading anything a
+kernel writes (activations, gates, residual, partials, conv state, tickets). Weights are never written by a
+kernel, so loading them early is safe, and it overlaps this kernel's DRAM ramp with the previous one's tail
+(split / row-norm tickets). Nothing of a later kernel runs before the earlier one has completed: each waiting
+program has passed its wait only after the previous grid finished, so the ordering is transitive.
 """
 from __future__ import annotations
 
