@@ -7,6 +7,9 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
                   (nvfp4_mma.py, experts repacked once per weight set as the loader does), large
                   batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py)
   nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the older Hopper kernel)
+  nvfp4/wgmma     the prefill kernel (nvfp4_wgmma.py: wide token blocks on wgmma) at any batch; -n64 / -n128 /
+                  -n256 fix its tokens per expert block (the default follows experts.wgmma_block_n)
+  nvfp4/mma-any / nvfp4/dequant-bf16: the MMA kernel / dequantize-to-bf16 path at any batch
   nvfp4/w4a4      our kernels, W4A4 on FP4 tensor cores (sm_100+ only, added there automatically;
                   checked against the W4A4 reference, with a 2e-2 bound)
   nvfp4/triton    our kernels, NVFP4 experts, plain-Triton decode
@@ -165,6 +168,16 @@ def ours_mma_any(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed)
 
 
+def ours_wgmma(block_n=None):
+    """The wide-token wgmma prefill kernel (nvfp4_wgmma.py) at any batch, `block_n` tokens per expert block
+    (None: experts.wgmma_block_n's choice): the sweep that places experts.WGMMA_MIN_MEAN_PAIRS."""
+    def fn(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
+        topw, ids = router.route(logits, top_k, True)
+        a, b = with_packed(w13, w2)
+        return experts.moe_experts_wgmma(x, topw.to(x.dtype), ids, a.packed, b.packed, block_n=block_n)
+    return fn
+
+
 def ours_dequant(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     """The engine's large-batch path at any batch: dequantize to bf16 (dequant.py), bf16 grouped GEMMs."""
     from linrnn_kernels.moe import dequant
@@ -177,6 +190,10 @@ VARIANTS = {
     "nvfp4/mma": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, *with_packed(a, b), "mma")),
     "nvfp4/mma-any": ("nvfp4", ours_mma_any),
     "nvfp4/dequant-bf16": ("nvfp4", ours_dequant),
+    "nvfp4/wgmma": ("nvfp4", ours_wgmma()),
+    "nvfp4/wgmma-n64": ("nvfp4", ours_wgmma(64)),
+    "nvfp4/wgmma-n128": ("nvfp4", ours_wgmma(128)),
+    "nvfp4/wgmma-n256": ("nvfp4", ours_wgmma(256)),
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),
@@ -454,6 +471,7 @@ def run(args) -> int:
                 per_expert = expert_bytes(sets[0][(fmt, "w13")], sets[0][(fmt, "w2")])
                 moved = hit * per_expert + B * E * 2 + 2 * B * H * 2
                 row["gbs"][v] = moved / us / 1e3
+                row.setdefault("tflops", {})[v] = 2 * B * k * 3 * I * H / us / 1e6  # routed GEMMs only
             except Exception as e:  # a failing peer is reported, not hidden
                 row["us"][v] = f"error: {type(e).__name__}: {str(e)[:100]}"
         if args.sweep:
@@ -487,6 +505,13 @@ def run(args) -> int:
         except Exception as e:  # the table still stands without it
             print(f"instruction count unavailable: {type(e).__name__}: {e}")
     table = markdown(rows, variants, copy_gbs, info, ipw)
+    if any(r["B"] >= 128 for r in rows):  # prefill sizes: the routed GEMMs are compute-bound
+        table += ("\n## Routed-GEMM TFLOP/s (2 x B x top-k x 3 I H per layer / layer time; bf16 tensor-core peak "
+                  "measured ~790 on the H200)\n\n| B | " + " | ".join(variants) + " |\n|---:|"
+                  + "---:|" * len(variants) + "\n")
+        for r in rows:
+            tf = r.get("tflops", {})
+            table += f"| {r['B']} | " + " | ".join(f"{tf[v]:.0f}" if v in tf else "-" for v in variants) + " |\n"
     if args.sweep:
         table += "\n## Config sweep (nvfp4, per GEMM, median us)\n\n"
         table += "| B | block_m | default | best gate_up | best down |\n|---:|---:|---|---|---|\n"

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from linrnn_kernels.moe import grouped_gemm as gg
-from linrnn_kernels.moe import nvfp4_mma
+from linrnn_kernels.moe import nvfp4_mma, nvfp4_wgmma
 from linrnn_kernels.moe.align import moe_align_block_size
 from linrnn_kernels.quant import WeightTensor
 
@@ -29,6 +29,11 @@ MMA_MAX_MEAN_PAIRS = 64
 # B = 2048 (64 pairs per expert): 1.41 ms NVFP4 grouped GEMM vs 1.57 dequant + bf16 (a loss);
 # B = 4096 (128): 2.16 vs 1.93; B = 8192: 4.23 vs 2.99
 DEQUANT_MIN_MEAN_PAIRS = 128
+
+# From this mean number of (token, expert) pairs per expert (and with repacked NVFP4 weights on Hopper) the
+# wide-token wgmma kernel (nvfp4_wgmma.py: each weight tile decoded once per 64-256 tokens) runs instead of
+# the MMA kernel, the grouped GEMM and the dequantization; benchmarks/results/kernels/moe/prefill_wgmma/
+WGMMA_MIN_MEAN_PAIRS = 16
 
 # Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
 # (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
@@ -102,7 +107,8 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     gg.check_weight(w2, "w2", E, H, inter)
     if nvfp4_path == "mma":  # the default NVFP4 paths by batch size (the MMA kernel where it can run)
         nvfp4_path = None
-    if (configs is None and nvfp4_path is None and w13.fmt == "nvfp4" and w2.fmt == "nvfp4" and x.is_cuda
+    wgmma = configs is None and nvfp4_path is None and _wgmma_prefill(x, T * top_k, E, w13, w2)
+    if (not wgmma and configs is None and nvfp4_path is None and w13.fmt == "nvfp4" and w2.fmt == "nvfp4" and x.is_cuda
             and x.dtype == torch.bfloat16 and T * top_k >= DEQUANT_MIN_MEAN_PAIRS * E
             and not gg._interpreting() and gg.nvfp4_gemm_path(x.device) != "dot_scaled"):  # sm_100: FP4 MMA
         from linrnn_kernels.moe import dequant
@@ -120,6 +126,9 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
         return out
     x = x.contiguous()
     P = T * top_k
+    if wgmma:
+        return moe_experts_wgmma(x, topk_weights, topk_ids, w13.packed, w2.packed, out, alignment=alignment,
+                                 combine=combine)
     if configs is None and nvfp4_path is None and _mma_decode(x, P, E, w13, w2):
         return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out, alignment=alignment,
                                combine=combine)
@@ -158,10 +167,59 @@ def _mma_decode(x: torch.Tensor, num_pairs: int, num_experts: int, w13: WeightTe
             and x.dtype == torch.bfloat16 and nvfp4_mma.available(x.device))
 
 
+def _wgmma_prefill(x: torch.Tensor, num_pairs: int, num_experts: int, w13: WeightTensor, w2: WeightTensor) -> bool:
+    """Whether this batch runs on the wide-token wgmma kernel (repacked NVFP4 weights, Hopper, prefill sizes)."""
+    return (w13.packed is not None and w2.packed is not None and num_pairs >= WGMMA_MIN_MEAN_PAIRS * num_experts
+            and x.dtype == torch.bfloat16 and nvfp4_wgmma.available(x.device)
+            and nvfp4_wgmma.supports(w13.packed) and nvfp4_wgmma.supports(w2.packed))
+
+
+def wgmma_block_n(num_pairs: int, num_experts: int) -> int:
+    """Tokens per expert block of the wgmma kernel by the mean pairs per expert (measured, see WGMMA_MIN_MEAN_PAIRS)."""
+    mean = num_pairs / max(num_experts, 1)
+    return 64 if mean < WGMMA_N128_MIN_MEAN_PAIRS else 128
+
+
+WGMMA_N128_MIN_MEAN_PAIRS = 96
+
+
+def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
+                      out: torch.Tensor | None = None, block_n: int | None = None,
+                      stages: int = nvfp4_wgmma.DEFAULT_STAGES, alignment: Alignment | None = None,
+                      combine: bool = True):
+    """The prefill path on Hopper: NVFP4 experts repacked as MMA fragments (the decode path's layout),
+    expert blocks of 64-256 tokens on async wgmma (nvfp4_wgmma.py). x [T, H] bf16 in natural k order;
+    it is k-permuted once here, and the gate_up kernel writes h in that order for the down kernel."""
+    T, H = x.shape
+    top_k = topk_ids.shape[1]
+    E = p13.codes.shape[0]
+    inter = p13.n // 2
+    if out is None:
+        out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
+    P = T * top_k
+    block_n = block_n or wgmma_block_n(P, E)
+    if alignment is not None and alignment.block_m == block_n:  # e.g. from the fused router
+        sorted_ids, expert_ids = alignment.sorted_ids, alignment.expert_ids
+    else:
+        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, block_n)
+    common = dict(num_rows=P, num_m_blocks=expert_ids.numel(), sorted_ids=sorted_ids, expert_ids=expert_ids,
+                  block_n=block_n, stages=stages)
+    h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
+    nvfp4_wgmma.launch(nvfp4_wgmma.permute_k(x), p13, h, a_row_div=top_k, **common)
+    part = gg.alloc(1, P, H, dtype=torch.float32, device=x.device)
+    nvfp4_wgmma.launch(h, p2, part[0], route_weights=topk_weights.reshape(-1).contiguous(), **common)
+    if not combine:
+        return Partials(part, top_k)
+    gg.sum_reduce(part, out, group=top_k)
+    return out
+
+
 def alignment_block_m(x: torch.Tensor, top_k: int, w13: WeightTensor, w2: WeightTensor) -> int:
     """The block_m moe_experts (default configs) aligns this batch's pairs to: a router that aligns
     ahead of time (router_fused) uses it, so the experts reuse its alignment instead of redoing it."""
     T, E = x.shape[0], w13.data.shape[0]
+    if _wgmma_prefill(x, T * top_k, E, w13, w2) and T <= MAX_CHUNK_TOKENS:
+        return wgmma_block_n(T * top_k, E)
     if _mma_decode(x, T * top_k, E, w13, w2):
         return mma_tokens(T * top_k, E)
     return expert_block_m(T, top_k, E)

@@ -1,0 +1,326 @@
+"""NVFP4 grouped GEMM for prefill on Hopper: wide token blocks on async wgmma, weights decoded in registers.
+
+    out[r, n] = sum_k A[row(r), k] * W[e(r), n, k]
+
+The decode kernel (nvfp4_mma.py) re-decodes every weight tile once per 8 tokens; at prefill sizes (64-256
+tokens per expert) that decode, not the tensor cores, is the limit. This kernel decodes each weight tile
+once per BLOCK_N = 64..256 tokens of one expert and runs it on `wgmma.mma_async` (m64 nBLOCK_N k16):
+  A (the weights, M side): one warpgroup holds 64 weight rows, 16 per warp. Per warp the wgmma A
+    register fragment IS the mma.sync m16n8k16 A fragment, so the codes come in the same load-time
+    layout as for the decode kernel (nvfp4_layout.py, one layout for both) and are decoded with its
+    inline PTX (nvfp4_mma.DECODE_ASM); the regrouping into the operand layout is asserted trivial.
+  B (the expert's gathered token activations, N side): in shared memory (NVMMA 128-byte swizzle),
+    filled by cp.async from the gathered rows (TMA cannot gather rows on sm_90).
+  The codes and scales of a K step travel in the same cp.async ring (STAGES deep) and are read back
+  by the thread that copied them (LDS.128 of raw codes; decoded weights never touch shared memory), so
+  one pipeline hides the HBM latency of both operands. A step's 4 wgmmas run back to back and are
+  waited on before the next decode (one in flight across steps makes ptxas serialize them all); the
+  3 CTAs an SM holds overlap one's decode with another's MMAs.
+K order: a lane holds 8 consecutive k of a row (the decode kernel's k_width 8), but a wgmma register
+fragment means k = 2t, 2t + 1, 2t + 8, 2t + 9 of each 16, and shared-memory B is read in natural k
+order. So the activations are stored k-permuted within every 32 k (`permute_k`, a transpose of a
+4 x 4 grid of k pairs): the gate_up input is permuted once per call, and the gate_up epilogue writes
+its output h already in that order for the down GEMM.
+Epilogues: gate_up (gate and up rows interleaved per 16-row tile, so one thread holds both) writes
+SiLU(gate) * up in bf16; down multiplies by the row scale and routing weight and writes f32 partials
+[pairs, H] that grouped_gemm.sum_reduce adds per token in a fixed order: no atomics, bitwise
+reproducible, CUDA-graph capturable (no host reads of device values).
+Gluon kernels do not run under TRITON_INTERPRET; `available()` says whether this path can run.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from linrnn_kernels.moe import nvfp4_layout as lay
+from linrnn_kernels.moe import nvfp4_mma
+
+if nvfp4_mma.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    # triton 3.6 names the CTA barrier thread_barrier, 3.9 barrier
+    _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+    # and the cp.async copy async_copy_global_to_shared, 3.9 async_load
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+BLOCK_NS = (64, 128, 256)  # tokens per expert block (wgmma N)
+DEFAULT_STAGES = 4
+
+
+def permute_k(x: torch.Tensor) -> torch.Tensor:
+    """Activations [T, K] -> the wgmma kernel's k order (a new contiguous tensor): within every 32 k,
+    the value of k = 8 t + 4 p + 2 q + h goes to 16 p + 8 q + 2 t + h (K must be a multiple of 64)."""
+    T, K = x.shape
+    return x.reshape(T, K // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(T, K)
+
+
+def unpermute_k(x: torch.Tensor) -> torch.Tensor:
+    T, K = x.shape
+    return x.reshape(T, K // 32, 2, 2, 4, 2).permute(0, 1, 4, 2, 3, 5).reshape(T, K)
+
+
+if nvfp4_mma.HAVE_GLUON:
+    @gluon.jit
+    def _nvfp4_wgmma_kernel(
+            x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_om,
+            sorted_ids_ptr, expert_ids_ptr, route_w_ptr,
+            num_rows, N, k_units, num_row_tiles, stride_ce, stride_se, stride_rse,
+            A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr,
+            GAIN: gl.constexpr):
+        WARPS: gl.constexpr = 4          # one warpgroup: 64 weight rows
+        ROWS: gl.constexpr = 64
+        BK: gl.constexpr = 64            # one unit of the packed layout per K step
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        # raw code words as copied and read back: [warp, unit, lane, 8 int16], 16 bytes per lane
+        raw: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 8], threads_per_warp=[1, 1, 32, 1],
+                                             warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
+        sraw: gl.constexpr = gl.SliceLayout(3, raw)
+        # activation tile [BLOCK_N, BK] as copied: 16 bytes per lane, a row's 128 bytes over 8 lanes
+        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[WARPS, 1], order=[1, 0])
+        x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        c_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
+        s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+
+        pid = gl.program_id(0)
+        pid_n = pid % num_row_tiles     # the row tiles of one token block run together (activations in L2)
+        pid_m = pid // num_row_tiles
+        expert = gl.load(expert_ids_ptr + pid_m)
+        if expert < 0:
+            return
+        expert = expert.to(gl.int64)
+
+        # gathered activation rows of this block; padding slots read row 0 (their columns are never stored)
+        offs_xn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, xl))
+        ids_x = gl.load(sorted_ids_ptr + pid_m * BLOCK_N + offs_xn)
+        x_rows = gl.where(ids_x < num_rows, ids_x // A_ROW_DIV, 0).to(gl.int64)
+        offs_xk = gl.arange(0, BK, layout=gl.SliceLayout(0, xl))
+        x_ptrs = x_ptr + x_rows[:, None] * stride_x + offs_xk[None, :]
+
+        tile0 = pid_n * WARPS
+        unit0 = tile0.to(gl.int64) * k_units
+        offs_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
+        offs_u = gl.arange(0, 1, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
+        offs_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, raw))))
+        offs_e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, raw))))
+        c_ptrs = (codes_ptr + expert * stride_ce + unit0 * 256
+                  + ((offs_w[:, None, None, None] * k_units + offs_u[None, :, None, None]) * 256
+                     + offs_l[None, None, :, None] * 8 + offs_e[None, None, None, :]))
+        so_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sraw)))
+        so_u = gl.arange(0, 1, layout=gl.SliceLayout(0, gl.SliceLayout(2, sraw)))
+        so_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sraw)))
+        s_ptrs = (scales_ptr + expert * stride_se + unit0 * 16
+                  + ((so_w[:, None, None] * k_units + so_u[None, :, None]) * 16
+                     + ((so_l // 4) * 2 + (so_l % 4) // 2)[None, None, :]))
+
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BK], x_sl)
+        c_smem = gl.allocate_shared_memory(gl.int16, [STAGES, WARPS, 1, 32, 8], c_sl)
+        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 1, 32], s_sl)
+
+        # prologue: K steps 0 .. STAGES - 3 in flight
+        for s in gl.static_range(STAGES - 2):
+            _cp_async(x_smem.index(s), x_ptrs + s * BK)
+            _cp_async(c_smem.index(s), c_ptrs + s * 256)
+            _cp_async(s_smem.index(s), s_ptrs + s * 16)
+            async_copy.commit_group()
+
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=acc_l)
+        for i in range(k_units):
+            # step i landed (this thread's copies), then every thread's; every warp is past the wgmma of
+            # step i - 1, so stage (i - 2) % STAGES is free to refill
+            async_copy.wait_group(STAGES - 3)
+            fence_async_shared()
+            _cta_barrier()
+            nxt = gl.minimum(i + STAGES - 2, k_units - 1)  # past the end: reload the last step (unused)
+            st = (i + STAGES - 2) % STAGES
+            _cp_async(x_smem.index(st), x_ptrs + nxt * BK)
+            _cp_async(c_smem.index(st), c_ptrs + nxt * 256)
+            _cp_async(s_smem.index(st), s_ptrs + nxt * 16)
+            async_copy.commit_group()
+
+            cur = i % STAGES
+            q = c_smem.index(cur).load(raw)
+            sw = s_smem.index(cur).load(sraw)
+            s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
+            o0, o1, o2, o3 = gl.inline_asm_elementwise(
+                DECODE, CONSTRAINTS, [q, s8],
+                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
+            # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]; the wgmma fragment's k
+            # order within 32 k is (p, q, t, h) (see permute_k)
+            wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
+            wts = gl.reshape(wts, [WARPS, 1, 8, 4, 2, 2, 2, 2, 2])
+            wts = gl.permute(wts, [0, 5, 2, 1, 4, 7, 8, 3, 6])  # row = (w, r8, g); k = (u, cb, p, q, t, h)
+            wts = gl.reshape(wts, [ROWS, BK])
+            a = gl.convert_layout(wts, a_op, assert_trivial=True)
+            b = x_smem.index(cur).permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            # wait for this step's wgmma before the next decode: with one in flight across steps ptxas
+            # serializes every wgmma (C7515: the wait redefines the accumulator registers); the decode of
+            # one CTA overlaps the MMAs of the other CTAs on the SM instead
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        async_copy.wait_group(0)
+
+        # epilogue: rows of this CTA in the accumulator layout
+        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_l))
+        offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_l))
+        tile = tile0 + offs_r // 16
+        r8 = (offs_r // 8) % 2
+        g = offs_r % 8
+        if GATED:
+            half = N // 2
+            w_row = r8 * half + tile * 8 + g
+            row_ok = tile * 8 + g < half
+        else:
+            w_row = tile * 16 + r8 * 8 + g
+            row_ok = w_row < N
+        rs = gl.load(rs_ptr + expert * stride_rse + w_row, mask=row_ok, other=0.0)
+        acc = acc * (rs * GAIN)[:, None]
+        if GATED:
+            # [w, r8, g, n] -> gate (r8 = 0) and up (r8 = 1) of the same (g, n) in one thread
+            acc4 = gl.permute(gl.reshape(acc, [WARPS, 2, 8, BLOCK_N]), [0, 2, 3, 1])
+            gate, up = gl.split(acc4)
+            h = gate / (1.0 + gl.exp(-gate)) * up
+            hl: gl.constexpr = gate.type.layout
+            hw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
+            hg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
+            hn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
+            col = (tile0 + hw)[:, None] * 8 + hg[None, :]
+            # stored in the down GEMM's k order (permute_k): col = 32 c + 8 t + 4 p + 2 q + h
+            pos = (col // 32) * 32 + ((col // 4) % 2) * 16 + ((col // 2) % 2) * 8 + ((col // 8) % 4) * 2 + col % 2
+            hids = gl.load(sorted_ids_ptr + pid_m * BLOCK_N + hn)
+            hok = (col < half)[:, :, None] & (hids < num_rows)[None, None, :]
+            gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + pos[:, :, None],
+                     h.to(out_ptr.dtype.element_ty), mask=hok)
+        else:
+            ids = gl.load(sorted_ids_ptr + pid_m * BLOCK_N + offs_t)
+            tok_ok = ids < num_rows
+            if ROUTE_WEIGHTED:
+                acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
+            gl.store(out_ptr + ids.to(gl.int64)[None, :] * stride_om + w_row[:, None],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+
+
+def available(device=None) -> bool:
+    """Whether the wgmma prefill path can run: the MMA path's conditions (Gluon, sm_90, not the
+    interpreter, LINRNN_NVFP4_GEMM auto / mma) and not switched off by LINRNN_NVFP4_WGMMA=0."""
+    return nvfp4_mma.available(device) and os.environ.get("LINRNN_NVFP4_WGMMA", "1") != "0"
+
+
+def supports(w: lay.PackedNvfp4) -> bool:
+    """Shapes this kernel takes: K a multiple of 64 (no k padding: the activations are read unmasked)
+    and whole 64-row CTA tiles (4 packed tiles of 16 rows)."""
+    E, T, U, _ = w.codes.shape
+    return w.k == U * 64 and T % 4 == 0 and lay.has_slack(w.codes) and lay.has_slack(w.scales)
+
+
+def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
+           sorted_ids: torch.Tensor, expert_ids: torch.Tensor, block_n: int, route_weights=None,
+           a_row_div: int = 1, stages: int = DEFAULT_STAGES):
+    """One grouped GEMM over expert blocks of `block_n` tokens (align.py with block_m = block_n).
+    x: activations in permute_k order. out: gated: [rows, N/2] bf16 SiLU(gate) * up in permute_k order;
+    else f32 [rows, N] (times the routing weight if given), natural column order."""
+    E, T, U, _ = w.codes.shape
+    if not supports(w):
+        raise ValueError(f"nvfp4_wgmma needs K % 64 == 0 and rows in 64-row tiles (k={w.k}, tiles={T})")
+    if block_n not in BLOCK_NS or stages < 3:
+        raise ValueError(f"block_n {block_n} not in {BLOCK_NS} or stages {stages} < 3")
+    tiles = T // 4
+    grid = (num_m_blocks * tiles,)
+    _nvfp4_wgmma_kernel[grid](
+        x, x.stride(0), w.codes.view(torch.int16), w.scales.view(torch.int32), w.row_scale, out, out.stride(0),
+        sorted_ids, expert_ids, route_weights if route_weights is not None else out,
+        num_rows, w.n, U, tiles, w.codes.view(torch.int16).stride(0), w.scales.view(torch.int32).stride(0),
+        w.row_scale.stride(0),
+        A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None, BLOCK_N=block_n,
+        STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
+        GAIN=lay.DECODE_GAIN, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
+
+def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, arch: int = 90):
+    """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
+           "out_ptr": "*bf16" if gated else "*fp32", "stride_om": "i32",
+           "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "route_w_ptr": "*bf16",
+           "num_rows": "i32", "N": "i32", "k_units": "i32", "num_row_tiles": "i32",
+           "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
+    consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=not gated, BLOCK_N=block_n,
+                  STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
+                  GAIN=lay.DECODE_GAIN)
+    for k in consts:
+        sig[k] = "constexpr"
+    div16 = {"x_ptr", "stride_x", "codes_ptr", "scales_ptr", "rs_ptr", "out_ptr", "stride_om", "sorted_ids_ptr",
+             "expert_ids_ptr", "route_w_ptr", "N", "stride_ce", "stride_se", "stride_rse"}
+    names = list(_nvfp4_wgmma_kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = gluon._runtime.GluonASTSource(fn=_nvfp4_wgmma_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+@functools.lru_cache(maxsize=None)
+def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, arch: int = 90) -> dict:
+    """SASS statistics of the K loop compiled for sm_<arch> (no GPU needed): instructions per
+    iteration and per weight (a thread decodes 64 rows x 64 k / 128 threads = 32 weights a step),
+    opcode counts, shared-memory stores in the loop (decoded weights would need STS / STSM), shared
+    loads, spills, registers and shared memory. Compiles in a clean process under TRITON_INTERPRET."""
+    import json
+    import subprocess
+    import sys
+
+    args = dict(gated=gated, block_n=block_n, stages=stages, arch=arch)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        out = subprocess.run([sys.executable, "-m", "linrnn_kernels.moe.nvfp4_wgmma", json.dumps(args)], env=env,
+                             check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    k = compile_offline(**args)
+    return _loop_stats(k, weights_per_iter=32)
+
+
+def _loop_stats(k, weights_per_iter: int) -> dict:
+    import collections
+    import re
+
+    sass = nvfp4_mma._sass(k.asm["cubin"])
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2).strip()))
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    loops = [r for r in loops if any(r[0] <= a <= r[1] and "HGMMA" in t for a, t in ins)]
+    if not loops:
+        raise RuntimeError("no loop with HGMMA found in the SASS")
+    lo, hi = min(loops, key=lambda r: r[1] - r[0])
+    body = [t for a, t in ins if lo <= a <= hi]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    res = re.search(r"REG:(\d+)", nvfp4_mma._sass(k.asm["cubin"], "-res-usage"))
+    return {"instructions": len(body), "per_weight": len(body) / weights_per_iter, "ops": dict(ops),
+            "smem_stores_in_loop": sum(v for o, v in ops.items() if o in ("STS", "STSM")),
+            "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
+            "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared,
+            # convert_layout ops left in the kernel (the weight path's is asserted trivial and folds away)
+            "convert_layouts": k.asm["ttgir"].count("ttg.convert_layout")}
+
+
+if __name__ == "__main__":  # k_loop_stats in a clean process: python -m linrnn_kernels.moe.nvfp4_wgmma '{"gated": true}'
+    import json
+    import sys
+
+    print(json.dumps(k_loop_stats(**json.loads(sys.argv[1]))))

@@ -1,0 +1,148 @@
+"""The wide-token NVFP4 prefill kernel (kernels/moe/nvfp4_wgmma.py).
+
+CPU: the activation k order (permute_k) is the wgmma fragment's, and an sm_90 compile of the Gluon
+kernel (no GPU needed) keeps decoded weights out of shared memory, has no layout conversion but the
+weight path's (asserted trivial in the kernel), no spills. GPU (`-m gpu`): equality with the naive
+oracle on the exactly dequantized weights for several token counts and skewed per-expert loads,
+NaN-poisoned buffers, bitwise reproducibility and CUDA-graph replays, the path choice in moe_experts.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linrnn_kernels.moe import experts, naive, nvfp4_mma, nvfp4_wgmma
+from linrnn_kernels.moe import grouped_gemm as gg
+
+from test_nvfp4_mma import _weights  # noqa: E402  (Qwen-style NVFP4 experts, repacked)
+
+
+def test_permute_k_is_the_wgmma_fragment_order():
+    """A lane's 8 consecutive k of the packed layout (k = 8 t + e within 32) must sit where the wgmma
+    register fragment reads them: the value at packed (t, e = 4 p + 2 q + h) is the A element at
+    k = 16 p + 8 q + 2 t + h (m16n8k16: a0 a1 = 2t, 2t + 1; a4 a5 = 2t + 8, 2t + 9; second k16 for p = 1)."""
+    x = torch.arange(2 * 64, dtype=torch.float32).view(2, 64)
+    xp = nvfp4_wgmma.permute_k(x)
+    for base in (0, 32):
+        for t in range(4):
+            for p in range(2):
+                for q in range(2):
+                    for h in range(2):
+                        real = base + 8 * t + 4 * p + 2 * q + h
+                        frag = base + 16 * p + 8 * q + 2 * t + h
+                        assert torch.equal(xp[:, frag], x[:, real])
+    assert torch.equal(nvfp4_wgmma.unpermute_k(xp), x)
+
+
+@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
+@pytest.mark.parametrize("gated,block_n,stages", [(True, 128, 4), (False, 128, 4), (True, 64, 4), (False, 256, 3)])
+def test_sm90_compile_k_loop(gated, block_n, stages):
+    """Compiled for sm_90 on the CPU: no shared-memory store in the K loop (decoded weights would need
+    STS / STSM; the ring is filled by cp.async = LDGSTS), the only layout conversion is the weight
+    regrouping (asserted trivial in the kernel), the step's wgmmas are HGMMA on a register A operand,
+    no spills."""
+    st = nvfp4_wgmma.k_loop_stats(gated=gated, block_n=block_n, stages=stages)
+    assert st["smem_stores_in_loop"] == 0, st["ops"]
+    assert st["convert_layouts"] == 1, st
+    assert st["spill_ops"] == 0, st
+    assert st["ops"].get("HGMMA", 0) == 4, st["ops"]  # 64 k per step = 4 x k16
+    assert st["ops"].get("LDGSTS", 0) == block_n // 16 + 2, st["ops"]  # activations, codes, scales
+    assert st["per_weight"] <= 6.0, st  # per decoded weight; the MMAs are 64 x block_n x 64 per step
+    assert st["regs"] <= 255, st  # the 256-token down tile holds a 64 x 256 f32 accumulator: 255, no spill
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+@pytest.fixture
+def nan_buffers(monkeypatch):
+    def alloc(*shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    monkeypatch.setattr(gg, "alloc", alloc)
+
+
+def _err(y, ref):
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _routed(B, E, k, H, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(B, H, device="cuda", generator=g).bfloat16()
+    logits = x.float() @ (torch.randn(E, H, device="cuda", generator=g) * 0.02).t()
+    topw, ids = naive.route(logits, k, True)
+    return x, topw.bfloat16(), ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [65, 200, 512, 2048])
+def test_wgmma_matches_naive_qwen_shapes(nan_buffers, B):
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda")
+    x, topw, ids = _routed(B, E, k, H, B)
+    ref = naive.moe_experts(x, topw, ids, w13, w2)
+    for block_n in nvfp4_wgmma.BLOCK_NS:
+        y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n)
+        assert not y.isnan().any()
+        # the same exactly dequantized weights; only the summation order and the bf16 rounding of
+        # the SiLU * up intermediate differ
+        assert _err(y, ref) <= 1e-2, (block_n, _err(y, ref))
+
+
+@pytest.mark.gpu
+def test_wgmma_skewed_loads(nan_buffers):
+    """Experts with 0 / 1 / 63 / 64 / 65 / 300 tokens (block edges of the 64-token tile, a many-block expert)."""
+    E, H, I = 8, 512, 256
+    w13, w2 = _weights(E, H, I, "cuda", seed=3)
+    loads = [0, 1, 63, 64, 65, 300, 0, 129]
+    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(loads)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))].view(-1, 1).cuda()
+    x = torch.randn(ids.shape[0], H, device="cuda").bfloat16()
+    topw = torch.rand(ids.shape[0], 1, device="cuda").bfloat16()
+    ref = naive.moe_experts(x, topw, ids, w13, w2)
+    for block_n in nvfp4_wgmma.BLOCK_NS:
+        for stages in (3, 4):
+            y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n, stages=stages)
+            assert not y.isnan().any()
+            assert _err(y, ref) <= 1e-2, (block_n, stages, _err(y, ref))
+
+
+@pytest.mark.gpu
+def test_wgmma_bitwise_reproducible_and_graphs():
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda", seed=2)
+    x, topw, ids = _routed(1024, E, k, H, 7)
+
+    def run():
+        return experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed)
+    y0 = run()
+    for _ in range(3):
+        assert torch.equal(run(), y0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = run()
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, y0)
+
+
+@pytest.mark.gpu
+def test_moe_experts_picks_wgmma_for_prefill(monkeypatch):
+    """moe_experts (the engine's entry) sends prefill-sized batches with repacked weights to this kernel,
+    decode batches to the MMA kernel, and chunks above MAX_CHUNK_TOKENS as before."""
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda")
+    calls = []
+    real = nvfp4_wgmma.launch
+    monkeypatch.setattr(nvfp4_wgmma, "launch", lambda *a, **kw: calls.append(kw["block_n"]) or real(*a, **kw))
+    for B, expect in ((64, 0), (experts.WGMMA_MIN_MEAN_PAIRS * E // k, 2)):
+        calls.clear()
+        x, topw, ids = _routed(B, E, k, H, B)
+        y = experts.moe_experts(x, topw, ids, w13, w2)
+        assert len(calls) == expect, (B, calls)
+        assert _err(y, naive.moe_experts(x, topw, ids, w13, w2)) <= 1e-2

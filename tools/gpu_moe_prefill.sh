@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# NVFP4 MoE prefill kernel (issue #13 build item 4, nvfp4_wgmma.py), one device call on an H200:
+# (A) the GPU tests of the wgmma path (tests/test_nvfp4_wgmma.py -m gpu: equality with naive, skewed loads,
+#     NaN-poisoned buffers, bitwise / CUDA-graph replays, the path choice);
+# (B) one MoE layer (35B-A3B shapes, CUDA-graph replays) at B = 128 .. 8192 tokens: the new kernel (by block
+#     size), the engine's default path (nvfp4/mma = what experts.moe_experts picks), the MMA decode kernel, the
+#     old grouped GEMM, dequantize + bf16 and the bf16-weights path in one run, with routed-GEMM TFLOP/s;
+# (C) ENGINE=1: bench batched --npp 2048 --ntg 16 --npl 1,8 and --npp 128 --ntg 128 --npl 128 (S_PP);
+# (D) PREFIX=1: tools/gpu_prefix.sh (issue #16's TTFT benefit).
+# LINRNN_COMMIT=<sha> bash tools/gpu_moe_prefill.sh   -> $OUT/moe_prefill_* (tables), $OUT/*.log
+. tools/device_env.sh >/dev/null
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+filt() { grep -vE "leaked|nanobind|^ - |Warning|warn_once|See https"; }
+timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu tests/test_nvfp4_wgmma.py -p no:cacheprovider -x \
+  --junitxml=$OUT/test_nvfp4_wgmma_gpu.xml 2>&1 | filt | tail -15
+el "tests done"
+timeout ${T_BENCH:-200} python3 -m linrnn_bench.kernels.moe --batch-sizes ${SIZES:-128,512,1024,2048,4096,8192} \
+  --variants ${VARIANTS:-nvfp4/wgmma,nvfp4/wgmma-n64,nvfp4/wgmma-n128,nvfp4/wgmma-n256,nvfp4/mma,nvfp4/mma-any,nvfp4/asm,nvfp4/dequant-bf16,bf16/ours} \
+  --sets 1 --warmup 10 --rep ${REP:-30} --out $OUT/moe_prefill 2>&1 | filt | grep -v "^{" | tail -40
+cp $OUT/moe_prefill/*.md $OUT/moe_prefill_table.md 2>/dev/null; cp $OUT/moe_prefill/*.json $OUT/moe_prefill.json 2>/dev/null
+el "bench done"
+if [ -n "${ENGINE:-}" ]; then
+  timeout ${T_ENGINE:-200} python3 -m linrnn_serve bench batched --load-format dummy --model qwen35moe-nvfp4 \
+    --npp 2048 --ntg 16 --npl 1,8 --no-progress --out $OUT/batched_2048 2>&1 | filt | grep -E "^\||S_PP|T_PP" | head -20
+  timeout ${T_ENGINE:-200} python3 -m linrnn_serve bench batched --load-format dummy --model qwen35moe-nvfp4 \
+    --npp 128 --ntg 128 --npl 128 --vllm-ref --no-progress --out $OUT/batched_128 2>&1 | filt | grep -E "^\||S_PP|T_PP" | head -20
+  el "engine done"
+fi
+if [ -n "${PREFIX:-}" ]; then
+  timeout ${T_PREFIX:-240} bash tools/gpu_prefix.sh 2>&1 | filt | tail -30
+  el "prefix done"
+fi
