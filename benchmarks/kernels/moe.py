@@ -7,8 +7,8 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
                   (nvfp4_mma.py, experts repacked once per weight set as the loader does), large
                   batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py)
   nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the older Hopper kernel)
-  nvfp4/wgmma     the prefill kernel (nvfp4_wgmma.py: wide token blocks on wgmma) at any batch; -n64 / -n128 /
-                  -n256 fix its tokens per expert block (the default follows experts.wgmma_block_n)
+  nvfp4/wgmma     the prefill kernel (nvfp4_wgmma.py: wide token blocks on wgmma) at any batch; -nN-wW fix its
+                  tokens per expert block (64 / 128 / 256) and warps per CTA (4 / 8; default experts.wgmma_block_n)
   nvfp4/mma-any / nvfp4/dequant-bf16: the MMA kernel / dequantize-to-bf16 path at any batch
   nvfp4/w4a4      our kernels, W4A4 on FP4 tensor cores (sm_100+ only, added there automatically;
                   checked against the W4A4 reference, with a 2e-2 bound)
@@ -168,13 +168,14 @@ def ours_mma_any(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed)
 
 
-def ours_wgmma(block_n=None):
+def ours_wgmma(block_n=None, warps=None):
     """The wide-token wgmma prefill kernel (nvfp4_wgmma.py) at any batch, `block_n` tokens per expert block
     (None: experts.wgmma_block_n's choice): the sweep that places experts.WGMMA_MIN_MEAN_PAIRS."""
     def fn(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
         topw, ids = router.route(logits, top_k, True)
         a, b = with_packed(w13, w2)
-        return experts.moe_experts_wgmma(x, topw.to(x.dtype), ids, a.packed, b.packed, block_n=block_n)
+        return experts.moe_experts_wgmma(x, topw.to(x.dtype), ids, a.packed, b.packed, block_n=block_n,
+                                         **({"warps": warps} if warps else {}))
     return fn
 
 
@@ -191,9 +192,7 @@ VARIANTS = {
     "nvfp4/mma-any": ("nvfp4", ours_mma_any),
     "nvfp4/dequant-bf16": ("nvfp4", ours_dequant),
     "nvfp4/wgmma": ("nvfp4", ours_wgmma()),
-    "nvfp4/wgmma-n64": ("nvfp4", ours_wgmma(64)),
-    "nvfp4/wgmma-n128": ("nvfp4", ours_wgmma(128)),
-    "nvfp4/wgmma-n256": ("nvfp4", ours_wgmma(256)),
+    **{f"nvfp4/wgmma-n{n}-w{w}": ("nvfp4", ours_wgmma(n, w)) for n in (64, 128, 256) for w in (4, 8)},
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),
@@ -443,6 +442,7 @@ def run(args) -> int:
         hit = int(ids0.unique().numel())
         row = {"B": B, "E": E, "k": k, "H": H, "I": I, "experts_hit": hit, "us": {}, "gbs": {}, "err": {},
                "timing": "eager" if args.no_graph else "CUDA-graph replay"}
+        refs = {}  # one reference per (set, format, activations), shared by the variants
         for v in variants:
             fmt, fn = VARIANTS[v]
             calls = [lambda s=s, inp=inp: fn(inp[1], inp[0], k, s[(fmt, "w13")], s[(fmt, "w2")])
@@ -450,10 +450,13 @@ def run(args) -> int:
             try:
                 # correctness first, on every set: a red kernel is not timed
                 errs = []
-                for s, (x, logits) in zip(sets, inputs):
-                    topw, ids = naive.route(logits, k, True)
-                    ref = naive.moe_experts(x, topw.to(x.dtype), ids, s[(fmt, "w13")], s[(fmt, "w2")],
-                                            activations="nvfp4" if v == "nvfp4/w4a4" else "float")
+                for si, (s, (x, logits)) in enumerate(zip(sets, inputs)):
+                    act = "nvfp4" if v == "nvfp4/w4a4" else "float"
+                    if (si, fmt, act) not in refs:
+                        topw, ids = naive.route(logits, k, True)
+                        refs[(si, fmt, act)] = naive.moe_experts(x, topw.to(x.dtype), ids, s[(fmt, "w13")],
+                                                                 s[(fmt, "w2")], activations=act)
+                    ref = refs[(si, fmt, act)]
                     y = fn(logits, x, k, s[(fmt, "w13")], s[(fmt, "w2")])
                     errs.append(float((y.double() - ref.double()).norm() / ref.double().norm()))
                 row["err"][v] = max(errs)

@@ -51,6 +51,7 @@ if nvfp4_mma.HAVE_GLUON:
 
 BLOCK_NS = (64, 128, 256)  # tokens per expert block (wgmma N)
 DEFAULT_STAGES = 4
+DEFAULT_WARPS = 4  # one warpgroup (64 weight rows) per CTA; 8: two sharing each activation tile
 
 
 def permute_k(x: torch.Tensor) -> torch.Tensor:
@@ -73,9 +74,8 @@ if nvfp4_mma.HAVE_GLUON:
             num_rows, N, k_units, num_row_tiles, stride_ce, stride_se, stride_rse,
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr,
-            GAIN: gl.constexpr):
-        WARPS: gl.constexpr = 4          # one warpgroup: 64 weight rows
-        ROWS: gl.constexpr = 64
+            GAIN: gl.constexpr, WARPS: gl.constexpr):
+        ROWS: gl.constexpr = 16 * WARPS  # 64 weight rows per warpgroup; the warpgroups share the B tile
         BK: gl.constexpr = 64            # one unit of the packed layout per K step
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
@@ -215,25 +215,25 @@ def available(device=None) -> bool:
     return nvfp4_mma.available(device) and os.environ.get("LINRNN_NVFP4_WGMMA", "1") != "0"
 
 
-def supports(w: lay.PackedNvfp4) -> bool:
+def supports(w: lay.PackedNvfp4, warps: int = 4) -> bool:
     """Shapes this kernel takes: K a multiple of 64 (no k padding: the activations are read unmasked)
-    and whole 64-row CTA tiles (4 packed tiles of 16 rows)."""
+    and whole CTA row tiles (`warps` packed tiles of 16 rows)."""
     E, T, U, _ = w.codes.shape
-    return w.k == U * 64 and T % 4 == 0 and lay.has_slack(w.codes) and lay.has_slack(w.scales)
+    return w.k == U * 64 and T % warps == 0 and lay.has_slack(w.codes) and lay.has_slack(w.scales)
 
 
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, block_n: int, route_weights=None,
-           a_row_div: int = 1, stages: int = DEFAULT_STAGES):
+           a_row_div: int = 1, stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS):
     """One grouped GEMM over expert blocks of `block_n` tokens (align.py with block_m = block_n).
     x: activations in permute_k order. out: gated: [rows, N/2] bf16 SiLU(gate) * up in permute_k order;
     else f32 [rows, N] (times the routing weight if given), natural column order."""
     E, T, U, _ = w.codes.shape
-    if not supports(w):
-        raise ValueError(f"nvfp4_wgmma needs K % 64 == 0 and rows in 64-row tiles (k={w.k}, tiles={T})")
-    if block_n not in BLOCK_NS or stages < 3:
-        raise ValueError(f"block_n {block_n} not in {BLOCK_NS} or stages {stages} < 3")
-    tiles = T // 4
+    if not supports(w, warps):
+        raise ValueError(f"nvfp4_wgmma needs K % 64 == 0 and rows in {16 * warps}-row tiles (k={w.k}, tiles={T})")
+    if block_n not in BLOCK_NS or stages < 3 or warps not in (4, 8):
+        raise ValueError(f"block_n {block_n} not in {BLOCK_NS}, stages {stages} < 3 or warps {warps} not 4 / 8")
+    tiles = T // warps
     grid = (num_m_blocks * tiles,)
     _nvfp4_wgmma_kernel[grid](
         x, x.stride(0), w.codes.view(torch.int16), w.scales.view(torch.int32), w.row_scale, out, out.stride(0),
@@ -242,13 +242,14 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         w.row_scale.stride(0),
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None, BLOCK_N=block_n,
         STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
-        GAIN=lay.DECODE_GAIN, num_warps=4)
+        GAIN=lay.DECODE_GAIN, WARPS=warps, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------
 # Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
 
-def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, arch: int = 90):
+def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, warps: int = 4,
+                    arch: int = 90):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -258,7 +259,7 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
            "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=not gated, BLOCK_N=block_n,
                   STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
-                  GAIN=lay.DECODE_GAIN)
+                  GAIN=lay.DECODE_GAIN, WARPS=warps)
     for k in consts:
         sig[k] = "constexpr"
     div16 = {"x_ptr", "stride_x", "codes_ptr", "scales_ptr", "rs_ptr", "out_ptr", "stride_om", "sorted_ids_ptr",
@@ -266,11 +267,12 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
     names = list(_nvfp4_wgmma_kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = gluon._runtime.GluonASTSource(fn=_nvfp4_wgmma_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
 
 
 @functools.lru_cache(maxsize=None)
-def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, arch: int = 90) -> dict:
+def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, warps: int = 4,
+                 arch: int = 90) -> dict:
     """SASS statistics of the K loop compiled for sm_<arch> (no GPU needed): instructions per
     iteration and per weight (a thread decodes 64 rows x 64 k / 128 threads = 32 weights a step),
     opcode counts, shared-memory stores in the loop (decoded weights would need STS / STSM), shared
@@ -279,7 +281,7 @@ def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_S
     import subprocess
     import sys
 
-    args = dict(gated=gated, block_n=block_n, stages=stages, arch=arch)
+    args = dict(gated=gated, block_n=block_n, stages=stages, warps=warps, arch=arch)
     if os.environ.get("TRITON_INTERPRET") == "1":
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         out = subprocess.run([sys.executable, "-m", "linrnn_kernels.moe.nvfp4_wgmma", json.dumps(args)], env=env,
