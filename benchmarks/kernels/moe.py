@@ -8,7 +8,7 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
                   batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py)
   nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the older Hopper kernel)
   nvfp4/wgmma     the prefill kernel (nvfp4_wgmma.py: wide token blocks on wgmma) at any batch; -nN-wW fix its
-                  tokens per expert block (64 / 128 / 256) and warps per CTA (4 / 8; default experts.wgmma_block_n)
+                  tokens per expert block (64 / 128 / 256), warps per CTA (4 / 8 / 16) 64-k units per K step (1 / 2), -sS the cp.async ring depth (default 4)
   nvfp4/mma-any / nvfp4/dequant-bf16: the MMA kernel / dequantize-to-bf16 path at any batch
   nvfp4/w4a4      our kernels, W4A4 on FP4 tensor cores (sm_100+ only, added there automatically;
                   checked against the W4A4 reference, with a 2e-2 bound)
@@ -168,14 +168,14 @@ def ours_mma_any(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed)
 
 
-def ours_wgmma(block_n=None, warps=None):
+def ours_wgmma(block_n=None, warps=None, units=None, stages=None):
     """The wide-token wgmma prefill kernel (nvfp4_wgmma.py) at any batch, `block_n` tokens per expert block
     (None: experts.wgmma_block_n's choice): the sweep that places experts.WGMMA_MIN_MEAN_PAIRS."""
     def fn(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
         topw, ids = router.route(logits, top_k, True)
         a, b = with_packed(w13, w2)
         return experts.moe_experts_wgmma(x, topw.to(x.dtype), ids, a.packed, b.packed, block_n=block_n,
-                                         **({"warps": warps} if warps else {}))
+                                         **{k: v for k, v in (("warps", warps), ("units", units), ("stages", stages)) if v})
     return fn
 
 
@@ -192,7 +192,8 @@ VARIANTS = {
     "nvfp4/mma-any": ("nvfp4", ours_mma_any),
     "nvfp4/dequant-bf16": ("nvfp4", ours_dequant),
     "nvfp4/wgmma": ("nvfp4", ours_wgmma()),
-    **{f"nvfp4/wgmma-n{n}-w{w}": ("nvfp4", ours_wgmma(n, w)) for n in (64, 128, 256) for w in (4, 8)},
+    **{f"nvfp4/wgmma-n{n}-w{w}-u{u}" + (f"-s{st}" if st != 4 else ""): ("nvfp4", ours_wgmma(n, w, u, st))
+       for n in (64, 128, 256) for w in (4, 8, 16) for u in (1, 2) for st in (3, 4, 6) if 4 * w <= n},
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),

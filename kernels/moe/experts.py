@@ -186,7 +186,7 @@ WGMMA_N128_MIN_MEAN_PAIRS = 96
 def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                       out: torch.Tensor | None = None, block_n: int | None = None,
                       stages: int = nvfp4_wgmma.DEFAULT_STAGES, warps: int = nvfp4_wgmma.DEFAULT_WARPS,
-                      alignment: Alignment | None = None,
+                      units: int = nvfp4_wgmma.DEFAULT_UNITS, alignment: Alignment | None = None,
                       combine: bool = True):
     """The prefill path on Hopper: NVFP4 experts repacked as MMA fragments (the decode path's layout),
     expert blocks of 64-256 tokens on async wgmma (nvfp4_wgmma.py). x [T, H] bf16 in natural k order;
@@ -204,7 +204,7 @@ def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     else:
         sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, block_n)
     common = dict(num_rows=P, num_m_blocks=expert_ids.numel(), sorted_ids=sorted_ids, expert_ids=expert_ids,
-                  block_n=block_n, stages=stages, warps=warps)
+                  block_n=block_n, stages=stages, warps=warps, units=units)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     nvfp4_wgmma.launch(nvfp4_wgmma.permute_k(x), p13, h, a_row_div=top_k, **common)
     part = gg.alloc(1, P, H, dtype=torch.float32, device=x.device)

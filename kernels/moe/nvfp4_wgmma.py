@@ -51,7 +51,8 @@ if nvfp4_mma.HAVE_GLUON:
 
 BLOCK_NS = (64, 128, 256)  # tokens per expert block (wgmma N)
 DEFAULT_STAGES = 4
-DEFAULT_WARPS = 4  # one warpgroup (64 weight rows) per CTA; 8: two sharing each activation tile
+DEFAULT_WARPS = 8  # two warpgroups (128 weight rows) per CTA share each activation tile
+DEFAULT_UNITS = 1  # 64-k units per K step
 
 
 def permute_k(x: torch.Tensor) -> torch.Tensor:
@@ -74,9 +75,9 @@ if nvfp4_mma.HAVE_GLUON:
             num_rows, N, k_units, num_row_tiles, stride_ce, stride_se, stride_rse,
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr,
-            GAIN: gl.constexpr, WARPS: gl.constexpr):
+            GAIN: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr):
         ROWS: gl.constexpr = 16 * WARPS  # 64 weight rows per warpgroup; the warpgroups share the B tile
-        BK: gl.constexpr = 64            # one unit of the packed layout per K step
+        BK: gl.constexpr = 64            # k per shared-memory activation tile (one unit of the packed layout)
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -99,52 +100,60 @@ if nvfp4_mma.HAVE_GLUON:
             return
         expert = expert.to(gl.int64)
 
-        # gathered activation rows of this block; padding slots read row 0 (their columns are never stored)
+        # gathered activation rows of this block; padding slots copy nothing (zero-filled, their columns are
+        # never stored): with few tokens per expert most slots are padding, and reading one row for all of
+        # them makes every CTA hammer the same L2 lines
         offs_xn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, xl))
         ids_x = gl.load(sorted_ids_ptr + pid_m * BLOCK_N + offs_xn)
-        x_rows = gl.where(ids_x < num_rows, ids_x // A_ROW_DIV, 0).to(gl.int64)
+        x_ok = ids_x < num_rows
+        x_rows = gl.where(x_ok, ids_x // A_ROW_DIV, 0).to(gl.int64)
         offs_xk = gl.arange(0, BK, layout=gl.SliceLayout(0, xl))
         x_ptrs = x_ptr + x_rows[:, None] * stride_x + offs_xk[None, :]
+        x_mask = gl.broadcast(x_ok[:, None], x_ptrs)[0]
 
         tile0 = pid_n * WARPS
         unit0 = tile0.to(gl.int64) * k_units
         offs_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
-        offs_u = gl.arange(0, 1, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
+        offs_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
         offs_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, raw))))
         offs_e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, raw))))
         c_ptrs = (codes_ptr + expert * stride_ce + unit0 * 256
                   + ((offs_w[:, None, None, None] * k_units + offs_u[None, :, None, None]) * 256
                      + offs_l[None, None, :, None] * 8 + offs_e[None, None, None, :]))
         so_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sraw)))
-        so_u = gl.arange(0, 1, layout=gl.SliceLayout(0, gl.SliceLayout(2, sraw)))
+        so_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, sraw)))
         so_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sraw)))
         s_ptrs = (scales_ptr + expert * stride_se + unit0 * 16
                   + ((so_w[:, None, None] * k_units + so_u[None, :, None]) * 16
                      + ((so_l // 4) * 2 + (so_l % 4) // 2)[None, None, :]))
 
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BK], x_sl)
-        c_smem = gl.allocate_shared_memory(gl.int16, [STAGES, WARPS, 1, 32, 8], c_sl)
-        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 1, 32], s_sl)
+        # a K step is UNITS units of 64 k: activation tiles [BLOCK_N, 64] (one per unit), codes, scales
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * UNITS, BLOCK_N, BK], x_sl)
+        c_smem = gl.allocate_shared_memory(gl.int16, [STAGES, WARPS, UNITS, 32, 8], c_sl)
+        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, UNITS, 32], s_sl)
+        n_steps = k_units // UNITS
 
         # prologue: K steps 0 .. STAGES - 3 in flight
         for s in gl.static_range(STAGES - 2):
-            _cp_async(x_smem.index(s), x_ptrs + s * BK)
-            _cp_async(c_smem.index(s), c_ptrs + s * 256)
-            _cp_async(s_smem.index(s), s_ptrs + s * 16)
+            for u in gl.static_range(UNITS):
+                _cp_async(x_smem.index(s * UNITS + u), x_ptrs + (s * UNITS + u) * BK, mask=x_mask)
+            _cp_async(c_smem.index(s), c_ptrs + s * UNITS * 256)
+            _cp_async(s_smem.index(s), s_ptrs + s * UNITS * 16)
             async_copy.commit_group()
 
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=acc_l)
-        for i in range(k_units):
+        for i in range(n_steps):
             # step i landed (this thread's copies), then every thread's; every warp is past the wgmma of
             # step i - 1, so stage (i - 2) % STAGES is free to refill
             async_copy.wait_group(STAGES - 3)
             fence_async_shared()
             _cta_barrier()
-            nxt = gl.minimum(i + STAGES - 2, k_units - 1)  # past the end: reload the last step (unused)
+            nxt = gl.minimum(i + STAGES - 2, n_steps - 1)  # past the end: reload the last step (unused)
             st = (i + STAGES - 2) % STAGES
-            _cp_async(x_smem.index(st), x_ptrs + nxt * BK)
-            _cp_async(c_smem.index(st), c_ptrs + nxt * 256)
-            _cp_async(s_smem.index(st), s_ptrs + nxt * 16)
+            for u in gl.static_range(UNITS):
+                _cp_async(x_smem.index(st * UNITS + u), x_ptrs + (nxt * UNITS + u) * BK, mask=x_mask)
+            _cp_async(c_smem.index(st), c_ptrs + nxt * UNITS * 256)
+            _cp_async(s_smem.index(st), s_ptrs + nxt * UNITS * 16)
             async_copy.commit_group()
 
             cur = i % STAGES
@@ -157,12 +166,18 @@ if nvfp4_mma.HAVE_GLUON:
             # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]; the wgmma fragment's k
             # order within 32 k is (p, q, t, h) (see permute_k)
             wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
-            wts = gl.reshape(wts, [WARPS, 1, 8, 4, 2, 2, 2, 2, 2])
+            wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
             wts = gl.permute(wts, [0, 5, 2, 1, 4, 7, 8, 3, 6])  # row = (w, r8, g); k = (u, cb, p, q, t, h)
-            wts = gl.reshape(wts, [ROWS, BK])
-            a = gl.convert_layout(wts, a_op, assert_trivial=True)
-            b = x_smem.index(cur).permute((1, 0))
-            acc = warpgroup_mma(a, b, acc, is_async=True)
+            if UNITS == 1:
+                a = gl.convert_layout(gl.reshape(wts, [ROWS, BK]), a_op, assert_trivial=True)
+                acc = warpgroup_mma(a, x_smem.index(cur).permute((1, 0)), acc, is_async=True)
+            else:  # UNITS == 2: one [ROWS, 64] operand per unit (a register split, no data movement)
+                wu = gl.permute(gl.reshape(wts, [ROWS, 2, BK]), [0, 2, 1])
+                w0, w1 = gl.split(wu)
+                a0 = gl.convert_layout(w0, a_op, assert_trivial=True)
+                a1 = gl.convert_layout(w1, a_op, assert_trivial=True)
+                acc = warpgroup_mma(a0, x_smem.index(cur * 2).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(a1, x_smem.index(cur * 2 + 1).permute((1, 0)), acc, is_async=True)
             # wait for this step's wgmma before the next decode: with one in flight across steps ptxas
             # serializes every wgmma (C7515: the wait redefines the accumulator registers); the decode of
             # one CTA overlaps the MMAs of the other CTAs on the SM instead
@@ -224,15 +239,17 @@ def supports(w: lay.PackedNvfp4, warps: int = 4) -> bool:
 
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, block_n: int, route_weights=None,
-           a_row_div: int = 1, stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS):
+           a_row_div: int = 1, stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, units: int = DEFAULT_UNITS):
     """One grouped GEMM over expert blocks of `block_n` tokens (align.py with block_m = block_n).
     x: activations in permute_k order. out: gated: [rows, N/2] bf16 SiLU(gate) * up in permute_k order;
     else f32 [rows, N] (times the routing weight if given), natural column order."""
     E, T, U, _ = w.codes.shape
     if not supports(w, warps):
         raise ValueError(f"nvfp4_wgmma needs K % 64 == 0 and rows in {16 * warps}-row tiles (k={w.k}, tiles={T})")
-    if block_n not in BLOCK_NS or stages < 3 or warps not in (4, 8):
-        raise ValueError(f"block_n {block_n} not in {BLOCK_NS}, stages {stages} < 3 or warps {warps} not 4 / 8")
+    if (block_n not in BLOCK_NS or stages < 3 or warps not in (4, 8, 16) or 4 * warps > block_n
+            or units not in (1, 2) or U % units):
+        raise ValueError(f"block_n {block_n} not in {BLOCK_NS}, stages {stages} < 3, warps {warps} not 4 / 8 / 16 "
+                         f"(at most block_n / 4) or units {units} not 1 / 2 dividing the k units {U}")
     tiles = T // warps
     grid = (num_m_blocks * tiles,)
     _nvfp4_wgmma_kernel[grid](
@@ -242,14 +259,14 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         w.row_scale.stride(0),
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None, BLOCK_N=block_n,
         STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
-        GAIN=lay.DECODE_GAIN, WARPS=warps, num_warps=warps)
+        GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------
 # Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
 
 def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, warps: int = 4,
-                    arch: int = 90):
+                    units: int = 1, arch: int = 90):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -259,7 +276,7 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
            "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=not gated, BLOCK_N=block_n,
                   STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
-                  GAIN=lay.DECODE_GAIN, WARPS=warps)
+                  GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units)
     for k in consts:
         sig[k] = "constexpr"
     div16 = {"x_ptr", "stride_x", "codes_ptr", "scales_ptr", "rs_ptr", "out_ptr", "stride_om", "sorted_ids_ptr",
@@ -272,7 +289,7 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
 
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, warps: int = 4,
-                 arch: int = 90) -> dict:
+                 units: int = 1, arch: int = 90) -> dict:
     """SASS statistics of the K loop compiled for sm_<arch> (no GPU needed): instructions per
     iteration and per weight (a thread decodes 64 rows x 64 k / 128 threads = 32 weights a step),
     opcode counts, shared-memory stores in the loop (decoded weights would need STS / STSM), shared
@@ -281,14 +298,14 @@ def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_S
     import subprocess
     import sys
 
-    args = dict(gated=gated, block_n=block_n, stages=stages, warps=warps, arch=arch)
+    args = dict(gated=gated, block_n=block_n, stages=stages, warps=warps, units=units, arch=arch)
     if os.environ.get("TRITON_INTERPRET") == "1":
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         out = subprocess.run([sys.executable, "-m", "linrnn_kernels.moe.nvfp4_wgmma", json.dumps(args)], env=env,
                              check=True, capture_output=True, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])
     k = compile_offline(**args)
-    return _loop_stats(k, weights_per_iter=32)
+    return _loop_stats(k, weights_per_iter=32 * units)
 
 
 def _loop_stats(k, weights_per_iter: int) -> dict:
