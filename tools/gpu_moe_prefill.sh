@@ -16,7 +16,7 @@ timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu tests/test_nvfp4_wgmma.py -p
   --junitxml=$OUT/test_nvfp4_wgmma_gpu.xml 2>&1 | filt | tail -15
 el "tests done"
 timeout ${T_BENCH:-200} python3 -m linrnn_bench.kernels.moe --batch-sizes ${SIZES:-128,512,1024,2048,4096,8192} \
-  --variants ${VARIANTS:-nvfp4/mma,nvfp4/wgmma,nvfp4/wgmma-n64-w4-u1,nvfp4/wgmma-n64-w8-u1,nvfp4/wgmma-n64-w8-u1-s6,nvfp4/wgmma-n64-w8-u2,nvfp4/wgmma-n64-w16-u1,nvfp4/wgmma-n64-w16-u2,nvfp4/wgmma-n128-w8-u1,nvfp4/wgmma-n128-w8-u2,nvfp4/wgmma-n128-w8-u2-s3,nvfp4/wgmma-n256-w8-u1-s3,nvfp4/mma-any,nvfp4/asm,nvfp4/dequant-bf16,bf16/ours} \
+  --variants ${VARIANTS:-nvfp4/mma,nvfp4/wgmma,nvfp4/wgmma-n64-w4-u1,nvfp4/wgmma-n64-w8-u1,nvfp4/wgmma-n64-w8-u1-s6,nvfp4/wgmma-n64-w8-u2,nvfp4/wgmma-n64-w8-u1-nf,nvfp4/wgmma-n64-w8-u2-nf,nvfp4/wgmma-n64-w16-u1,nvfp4/wgmma-n64-w16-u2,nvfp4/wgmma-n128-w8-u1,nvfp4/wgmma-n128-w8-u2,nvfp4/wgmma-n128-w8-u2-s3,nvfp4/wgmma-n256-w8-u1-s3,nvfp4/mma-any,nvfp4/asm,nvfp4/dequant-bf16,bf16/ours} \
   --sets 1 --warmup 10 --rep ${REP:-30} --out $OUT/moe_prefill 2>&1 | filt | grep -v "^{" | tail -40
 cp $OUT/moe_prefill/*.md $OUT/moe_prefill_table.md 2>/dev/null; cp $OUT/moe_prefill/*.json $OUT/moe_prefill.json 2>/dev/null
 el "bench done"

@@ -33,7 +33,7 @@ DEQUANT_MIN_MEAN_PAIRS = 128
 # From this mean number of (token, expert) pairs per expert (and with repacked NVFP4 weights on Hopper) the
 # wide-token wgmma kernel (nvfp4_wgmma.py: each weight tile decoded once per 64-256 tokens) runs instead of
 # the MMA kernel, the grouped GEMM and the dequantization; benchmarks/results/kernels/moe/prefill_wgmma/
-WGMMA_MIN_MEAN_PAIRS = 16
+WGMMA_MIN_MEAN_PAIRS = 48
 
 # Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
 # (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
@@ -186,7 +186,8 @@ WGMMA_N128_MIN_MEAN_PAIRS = 96
 def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                       out: torch.Tensor | None = None, block_n: int | None = None,
                       stages: int = nvfp4_wgmma.DEFAULT_STAGES, warps: int = nvfp4_wgmma.DEFAULT_WARPS,
-                      units: int = nvfp4_wgmma.DEFAULT_UNITS, alignment: Alignment | None = None,
+                      units: int = nvfp4_wgmma.DEFAULT_UNITS, proxy_fence: bool = True,
+                      alignment: Alignment | None = None,
                       combine: bool = True):
     """The prefill path on Hopper: NVFP4 experts repacked as MMA fragments (the decode path's layout),
     expert blocks of 64-256 tokens on async wgmma (nvfp4_wgmma.py). x [T, H] bf16 in natural k order;
@@ -204,7 +205,7 @@ def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     else:
         sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, block_n)
     common = dict(num_rows=P, num_m_blocks=expert_ids.numel(), sorted_ids=sorted_ids, expert_ids=expert_ids,
-                  block_n=block_n, stages=stages, warps=warps, units=units)
+                  block_n=block_n, stages=stages, warps=warps, units=units, proxy_fence=proxy_fence)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     nvfp4_wgmma.launch(nvfp4_wgmma.permute_k(x), p13, h, a_row_div=top_k, **common)
     part = gg.alloc(1, P, H, dtype=torch.float32, device=x.device)

@@ -75,7 +75,7 @@ if nvfp4_mma.HAVE_GLUON:
             num_rows, N, k_units, num_row_tiles, stride_ce, stride_se, stride_rse,
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr,
-            GAIN: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr):
+            GAIN: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr, PROXY_FENCE: gl.constexpr):
         ROWS: gl.constexpr = 16 * WARPS  # 64 weight rows per warpgroup; the warpgroups share the B tile
         BK: gl.constexpr = 64            # k per shared-memory activation tile (one unit of the packed layout)
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -146,7 +146,8 @@ if nvfp4_mma.HAVE_GLUON:
             # step i landed (this thread's copies), then every thread's; every warp is past the wgmma of
             # step i - 1, so stage (i - 2) % STAGES is free to refill
             async_copy.wait_group(STAGES - 3)
-            fence_async_shared()
+            if PROXY_FENCE:  # cp.async writes are generic-proxy, wgmma reads B through the async proxy
+                fence_async_shared()
             _cta_barrier()
             nxt = gl.minimum(i + STAGES - 2, n_steps - 1)  # past the end: reload the last step (unused)
             st = (i + STAGES - 2) % STAGES
@@ -239,7 +240,8 @@ def supports(w: lay.PackedNvfp4, warps: int = 4) -> bool:
 
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, block_n: int, route_weights=None,
-           a_row_div: int = 1, stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, units: int = DEFAULT_UNITS):
+           a_row_div: int = 1, stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, units: int = DEFAULT_UNITS,
+           proxy_fence: bool = True):
     """One grouped GEMM over expert blocks of `block_n` tokens (align.py with block_m = block_n).
     x: activations in permute_k order. out: gated: [rows, N/2] bf16 SiLU(gate) * up in permute_k order;
     else f32 [rows, N] (times the routing weight if given), natural column order."""
@@ -259,7 +261,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         w.row_scale.stride(0),
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None, BLOCK_N=block_n,
         STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
-        GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, num_warps=warps)
+        GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, PROXY_FENCE=proxy_fence, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +278,7 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
            "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=not gated, BLOCK_N=block_n,
                   STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
-                  GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units)
+                  GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, PROXY_FENCE=True)
     for k in consts:
         sig[k] = "constexpr"
     div16 = {"x_ptr", "stride_x", "codes_ptr", "scales_ptr", "rs_ptr", "out_ptr", "stride_om", "sorted_ids_ptr",
