@@ -15,6 +15,9 @@ from linrnn_kernels.moe import nvfp4_mma, nvfp4_wgmma
 from linrnn_kernels.moe.align import moe_align_block_size
 from linrnn_kernels.quant import WeightTensor
 
+# Path choice for NVFP4 experts by the mean number of (token, expert) pairs per expert. With repacked weights on
+# Hopper: the MMA-fragment kernel below WGMMA_MIN_MEAN_PAIRS, the wgmma kernel from it. The two thresholds after
+# this one apply where the wgmma kernel cannot run (no repack, other shapes, LINRNN_NVFP4_WGMMA=0).
 # Up to this mean number of (token, expert) pairs per expert the 8-token MMA-fragment kernel runs (it
 # decodes every weight tile once per 8 tokens); above it the dequantize-in-tile grouped GEMM with wide row
 # blocks. H200, one 35B-A3B layer, CUDA-graph replays (tools/gpu_prefill.sh part D, 2026-11-24), MMA vs
@@ -31,9 +34,12 @@ MMA_MAX_MEAN_PAIRS = 64
 DEQUANT_MIN_MEAN_PAIRS = 128
 
 # From this mean number of (token, expert) pairs per expert (and with repacked NVFP4 weights on Hopper) the
-# wide-token wgmma kernel (nvfp4_wgmma.py: each weight tile decoded once per 64-256 tokens) runs instead of
-# the MMA kernel, the grouped GEMM and the dequantization; benchmarks/results/kernels/moe/prefill_wgmma/
-WGMMA_MIN_MEAN_PAIRS = 48
+# wide-token wgmma kernel (nvfp4_wgmma.py: each weight tile decoded once per 64-token expert block) runs instead
+# of the MMA kernel, the grouped GEMM and the dequantization. H200, one 35B-A3B layer, CUDA-graph replays
+# (benchmarks/results/kernels/moe/prefill_wgmma/), wgmma vs MMA kernel: 128 tokens (4 pairs/expert) 296 vs 170 us,
+# 512 (16) 312 vs 326, 1024 (32) 337 vs 554, 2048 (64) 507 vs 1028, 4096 867 vs 2072, 8192 1612 vs 4233
+# (dequantize + bf16: 1561 / 1942 / 2999 at 2048 / 4096 / 8192; bf16 weights: 691 / 1060 / 2127)
+WGMMA_MIN_MEAN_PAIRS = 16
 
 # Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
 # (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
@@ -175,12 +181,8 @@ def _wgmma_prefill(x: torch.Tensor, num_pairs: int, num_experts: int, w13: Weigh
 
 
 def wgmma_block_n(num_pairs: int, num_experts: int) -> int:
-    """Tokens per expert block of the wgmma kernel by the mean pairs per expert (measured, see WGMMA_MIN_MEAN_PAIRS)."""
-    mean = num_pairs / max(num_experts, 1)
-    return 64 if mean < WGMMA_N128_MIN_MEAN_PAIRS else 128
-
-
-WGMMA_N128_MIN_MEAN_PAIRS = 96
+    """Tokens per expert block of the wgmma kernel: 64 at every measured size (see nvfp4_wgmma.DEFAULT_BLOCK_N)."""
+    return nvfp4_wgmma.DEFAULT_BLOCK_N
 
 
 def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,

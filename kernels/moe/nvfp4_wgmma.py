@@ -50,9 +50,13 @@ if nvfp4_mma.HAVE_GLUON:
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 BLOCK_NS = (64, 128, 256)  # tokens per expert block (wgmma N)
+# The default tile, measured on the H200 (benchmarks/results/kernels/moe/prefill_wgmma/): 64 tokens per expert
+# block (128 / 256 waste more MMA work on padding and were slower at every size up to 8192 tokens), two
+# warpgroups (128 weight rows) per CTA sharing each activation tile, 2 units (128 k) per K step, 4 stages
+DEFAULT_BLOCK_N = 64
 DEFAULT_STAGES = 4
-DEFAULT_WARPS = 8  # two warpgroups (128 weight rows) per CTA share each activation tile
-DEFAULT_UNITS = 1  # 64-k units per K step
+DEFAULT_WARPS = 8
+DEFAULT_UNITS = 2
 
 
 def permute_k(x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +72,51 @@ def unpermute_k(x: torch.Tensor) -> torch.Tensor:
 
 
 if nvfp4_mma.HAVE_GLUON:
+    @gluon.jit
+    def _k_step(i, acc, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, a_op: gl.constexpr,
+                raw: gl.constexpr, sraw: gl.constexpr, STAGES: gl.constexpr, UNITS: gl.constexpr,
+                WARPS: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, DECODE: gl.constexpr,
+                CONSTRAINTS: gl.constexpr, PROXY_FENCE: gl.constexpr):
+        """K step i: refill the ring STAGES - 2 steps ahead, decode this step's codes in registers, issue its
+        wgmmas (async; the caller waits)."""
+        # step i landed (this thread's copies), then every thread's; every warp is past the wgmma wait that
+        # retires step i - 2, so stage (i - 2) % STAGES is free to refill
+        async_copy.wait_group(STAGES - 3)
+        if PROXY_FENCE:  # cp.async writes are generic-proxy, wgmma reads B through the async proxy
+            fence_async_shared()
+        _cta_barrier()
+        nxt = gl.minimum(i + STAGES - 2, n_steps - 1)  # past the end: reload the last step (unused)
+        st = (i + STAGES - 2) % STAGES
+        for u in gl.static_range(UNITS):
+            _cp_async(x_smem.index(st * UNITS + u), x_ptrs + (nxt * UNITS + u) * BK, mask=x_mask)
+        _cp_async(c_smem.index(st), c_ptrs + nxt * UNITS * 256)
+        _cp_async(s_smem.index(st), s_ptrs + nxt * UNITS * 16)
+        async_copy.commit_group()
+
+        cur = i % STAGES
+        q = c_smem.index(cur).load(raw)
+        sw = s_smem.index(cur).load(sraw)
+        s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            DECODE, CONSTRAINTS, [q, s8],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
+        # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]; the wgmma fragment's k
+        # order within 32 k is (p, q, t, h) (see permute_k)
+        wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
+        wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
+        wts = gl.permute(wts, [0, 5, 2, 1, 4, 7, 8, 3, 6])  # row = (w, r8, g); k = (u, cb, p, q, t, h)
+        if UNITS == 1:
+            a = gl.convert_layout(gl.reshape(wts, [ROWS, BK]), a_op, assert_trivial=True)
+            acc = warpgroup_mma(a, x_smem.index(cur).permute((1, 0)), acc, is_async=True)
+        else:  # UNITS == 2: one [ROWS, 64] operand per unit (a register split, no data movement)
+            wu = gl.permute(gl.reshape(wts, [ROWS, 2, BK]), [0, 2, 1])
+            w0, w1 = gl.split(wu)
+            a0 = gl.convert_layout(w0, a_op, assert_trivial=True)
+            a1 = gl.convert_layout(w1, a_op, assert_trivial=True)
+            acc = warpgroup_mma(a0, x_smem.index(cur * 2).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a1, x_smem.index(cur * 2 + 1).permute((1, 0)), acc, is_async=True)
+        return acc
+
     @gluon.jit
     def _nvfp4_wgmma_kernel(
             x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_om,
@@ -143,45 +192,11 @@ if nvfp4_mma.HAVE_GLUON:
 
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=acc_l)
         for i in range(n_steps):
-            # step i landed (this thread's copies), then every thread's; every warp is past the wgmma of
-            # step i - 1, so stage (i - 2) % STAGES is free to refill
-            async_copy.wait_group(STAGES - 3)
-            if PROXY_FENCE:  # cp.async writes are generic-proxy, wgmma reads B through the async proxy
-                fence_async_shared()
-            _cta_barrier()
-            nxt = gl.minimum(i + STAGES - 2, n_steps - 1)  # past the end: reload the last step (unused)
-            st = (i + STAGES - 2) % STAGES
-            for u in gl.static_range(UNITS):
-                _cp_async(x_smem.index(st * UNITS + u), x_ptrs + (nxt * UNITS + u) * BK, mask=x_mask)
-            _cp_async(c_smem.index(st), c_ptrs + nxt * UNITS * 256)
-            _cp_async(s_smem.index(st), s_ptrs + nxt * UNITS * 16)
-            async_copy.commit_group()
-
-            cur = i % STAGES
-            q = c_smem.index(cur).load(raw)
-            sw = s_smem.index(cur).load(sraw)
-            s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(
-                DECODE, CONSTRAINTS, [q, s8],
-                dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
-            # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]; the wgmma fragment's k
-            # order within 32 k is (p, q, t, h) (see permute_k)
-            wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
-            wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
-            wts = gl.permute(wts, [0, 5, 2, 1, 4, 7, 8, 3, 6])  # row = (w, r8, g); k = (u, cb, p, q, t, h)
-            if UNITS == 1:
-                a = gl.convert_layout(gl.reshape(wts, [ROWS, BK]), a_op, assert_trivial=True)
-                acc = warpgroup_mma(a, x_smem.index(cur).permute((1, 0)), acc, is_async=True)
-            else:  # UNITS == 2: one [ROWS, 64] operand per unit (a register split, no data movement)
-                wu = gl.permute(gl.reshape(wts, [ROWS, 2, BK]), [0, 2, 1])
-                w0, w1 = gl.split(wu)
-                a0 = gl.convert_layout(w0, a_op, assert_trivial=True)
-                a1 = gl.convert_layout(w1, a_op, assert_trivial=True)
-                acc = warpgroup_mma(a0, x_smem.index(cur * 2).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma(a1, x_smem.index(cur * 2 + 1).permute((1, 0)), acc, is_async=True)
-            # wait for this step's wgmma before the next decode: with one in flight across steps ptxas
-            # serializes every wgmma (C7515: the wait redefines the accumulator registers); the decode of
-            # one CTA overlaps the MMAs of the other CTAs on the SM instead
+            acc = _k_step(i, acc, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, a_op,
+                          raw, sraw, STAGES, UNITS, WARPS, ROWS, BK, DECODE, CONSTRAINTS, PROXY_FENCE)
+            # wait for this step's wgmma before the next decode: keeping one in flight (also with two
+            # accumulators for even / odd steps, tried) makes ptxas serialize every wgmma (C7515); the decode
+            # of one CTA overlaps the MMAs of the other CTAs on the SM instead
             acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)
 
