@@ -5,7 +5,8 @@
 # (B) one MoE layer (35B-A3B shapes, CUDA-graph replays) at B = 128 .. 8192 tokens: the new kernel (by block
 #     size), the engine's default path (nvfp4/mma = what experts.moe_experts picks), the MMA decode kernel, the
 #     old grouped GEMM, dequantize + bf16 and the bf16-weights path in one run, with routed-GEMM TFLOP/s;
-# (C) ENGINE=1: bench batched --npp 2048 --ntg 16 --npl 1,8 and --npp 128 --ntg 128 --npl 128 (S_PP);
+# (C) ENGINE=1: bench batched --npp 2048 --ntg 16 --npl 1,8 and --npp 128 --ntg 128 --npl 128 (S_PP); ENGINE_AB=1
+#     adds the 2048 run with the wgmma path off (LINRNN_NVFP4_WGMMA=0); SKIP_BENCH=1 skips (B);
 # (D) PREFIX=1: tools/gpu_prefix.sh (issue #16's TTFT benefit).
 # LINRNN_COMMIT=<sha> bash tools/gpu_moe_prefill.sh   -> $OUT/moe_prefill_* (tables), $OUT/*.log
 . tools/device_env.sh >/dev/null
@@ -15,16 +16,23 @@ filt() { grep -vE "leaked|nanobind|^ - |Warning|warn_once|See https"; }
 timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu tests/test_nvfp4_wgmma.py -p no:cacheprovider -x \
   --junitxml=$OUT/test_nvfp4_wgmma_gpu.xml 2>&1 | filt | tail -15
 el "tests done"
-timeout ${T_BENCH:-200} python3 -m linrnn_bench.kernels.moe --batch-sizes ${SIZES:-128,512,1024,2048,4096,8192} \
-  --variants ${VARIANTS:-nvfp4/mma,nvfp4/wgmma,nvfp4/wgmma-n64-w4-u1,nvfp4/wgmma-n64-w8-u1,nvfp4/wgmma-n64-w8-u1-s6,nvfp4/wgmma-n64-w8-u2,nvfp4/wgmma-n64-w8-u1-nf,nvfp4/wgmma-n64-w8-u2-nf,nvfp4/wgmma-n64-w16-u1,nvfp4/wgmma-n64-w16-u2,nvfp4/wgmma-n128-w8-u1,nvfp4/wgmma-n128-w8-u2,nvfp4/wgmma-n128-w8-u2-s3,nvfp4/wgmma-n256-w8-u1-s3,nvfp4/mma-any,nvfp4/asm,nvfp4/dequant-bf16,bf16/ours} \
+[ -z "${SKIP_BENCH:-}" ] && timeout ${T_BENCH:-200} python3 -m linrnn_bench.kernels.moe --batch-sizes ${SIZES:-128,512,1024,2048,4096,8192} \
+  --variants ${VARIANTS:-nvfp4/mma,nvfp4/wgmma,nvfp4/wgmma-n64-w4-u1,nvfp4/wgmma-n128-w8-u2,nvfp4/mma-any,nvfp4/asm,nvfp4/dequant-bf16,bf16/ours} \
   --sets 1 --warmup 10 --rep ${REP:-30} --out $OUT/moe_prefill 2>&1 | filt | grep -v "^{" | tail -40
 cp $OUT/moe_prefill/*.md $OUT/moe_prefill_table.md 2>/dev/null; cp $OUT/moe_prefill/*.json $OUT/moe_prefill.json 2>/dev/null
+rm -rf $OUT/moe_prefill
 el "bench done"
-if [ -n "${ENGINE:-}" ]; then
-  timeout ${T_ENGINE:-200} python3 -m linrnn_serve bench batched --load-format dummy --model qwen35moe-nvfp4 \
-    --npp 2048 --ntg 16 --npl 1,8 --no-progress --out $OUT/batched_2048 2>&1 | filt | grep -E "^\||S_PP|T_PP" | head -20
-  timeout ${T_ENGINE:-200} python3 -m linrnn_serve bench batched --load-format dummy --model qwen35moe-nvfp4 \
-    --npp 128 --ntg 128 --npl 128 --vllm-ref --no-progress --out $OUT/batched_128 2>&1 | filt | grep -E "^\||S_PP|T_PP" | head -20
+if [ -n "${ENGINE:-}" ]; then  # the engine (NVFP4 35B-A3B dummy): 2048-token prompts at npl 1 / 8, S_PP at npl 128
+  eng() {  # $1 out dir, $2 timeout, rest: bench batched args
+    local o=$1 t=$2; shift 2
+    timeout $t python3 -m linrnn_serve bench batched --load-format dummy --model qwen35moe-nvfp4 --no-progress \
+      --out /tmp/$o "$@" > /tmp/$o.log 2>&1; echo "$o rc $?"
+    if [ -f /tmp/$o/batched.md ]; then cp /tmp/$o/batched.md $OUT/$o.md; grep "^|" /tmp/$o/batched.md | head -12
+    else tail -5 /tmp/$o.log; fi
+  }
+  eng batched_2048 ${T_E1:-120} --npp 2048 --ntg 16 --npl 1,8
+  eng batched_128 ${T_E2:-120} --npp 128 --ntg 128 --npl 128 --vllm-ref
+  [ -n "${ENGINE_AB:-}" ] && LINRNN_NVFP4_WGMMA=0 eng batched_2048_off ${T_E3:-120} --npp 2048 --ntg 16 --npl 1,8
   el "engine done"
 fi
 if [ -n "${PREFIX:-}" ]; then
