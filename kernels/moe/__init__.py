@@ -15,7 +15,8 @@ Modules: router.py (softmax/top-k), router_fused.py (gate GEMM + routing + align
 GEMM kernel for dense / fp8 / nvfp4 weights, also behind linrnn_kernels.quant.linear), experts.py
 (the pipeline), naive.py (the oracle).
 NVFP4 experts repacked at load time (nvfp4_layout.py, WeightTensor.packed) run decode batches on
-Hopper through the Gluon MMA-fragment kernel (nvfp4_mma.py; `mma_path_available()`).
+Hopper through the Gluon MMA-fragment kernel (nvfp4_mma.py; `mma_path_available()`) and prefill-sized
+ones through the wgmma kernel over the same layout (nvfp4_wgmma.py, from experts.WGMMA_MIN_MEAN_PAIRS).
 `nvfp4_gemm_path()` names the NVFP4 GEMM implementation in use ("asm": W4A16 dequantize-in-register
 on Hopper; "dot_scaled": W4A4 on FP4 tensor cores, sm_100+, untested) and `describe_nvfp4_gemm()`
 is the matching startup log line.
