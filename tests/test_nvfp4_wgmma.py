@@ -157,3 +157,18 @@ def test_moe_experts_picks_wgmma_for_prefill(monkeypatch):
         y = experts.moe_experts(x, topw, ids, w13, w2)
         assert len(calls) == expect, (B, calls)
         assert _err(y, naive.moe_experts(x, topw, ids, w13, w2)) <= 1e-2
+
+
+def test_supports_only_whole_tiles_and_k():
+    """The path choice falls back (MMA kernel / grouped GEMM) for shapes the kernel reads unmasked: K not a
+    multiple of 64, or rows not in whole CTA tiles of the default 8 warps (128 rows)."""
+    from linrnn_kernels.moe import nvfp4_layout as lay
+
+    def packed(n, k, gated):
+        codes = torch.randint(0, 256, (1, n, k // 2), dtype=torch.uint8)
+        scales = torch.full((1, n, k // 16), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        return lay.pack(codes, scales, torch.ones(1, n), gated)
+    assert nvfp4_wgmma.supports(packed(256, 128, True))       # 16 tiles of 16 rows, 2 units of k
+    assert not nvfp4_wgmma.supports(packed(256, 96, True))    # k padded to 128: activations would be over-read
+    assert not nvfp4_wgmma.supports(packed(64, 128, False))   # 4 tiles: half a 128-row CTA
+    assert nvfp4_wgmma.supports(packed(64, 128, False), warps=4)

@@ -246,7 +246,7 @@ def available(device=None) -> bool:
     return nvfp4_mma.available(device) and os.environ.get("LINRNN_NVFP4_WGMMA", "1") != "0"
 
 
-def supports(w: lay.PackedNvfp4, warps: int = 4) -> bool:
+def supports(w: lay.PackedNvfp4, warps: int = DEFAULT_WARPS) -> bool:
     """Shapes this kernel takes: K a multiple of 64 (no k padding: the activations are read unmasked)
     and whole CTA row tiles (`warps` packed tiles of 16 rows)."""
     E, T, U, _ = w.codes.shape
