@@ -7,7 +7,7 @@
 #     old grouped GEMM, dequantize + bf16 and the bf16-weights path in one run, with routed-GEMM TFLOP/s;
 # (C) ENGINE=1: bench batched --npp 2048 --ntg 16 --npl 1,8 and --npp 128 --ntg 128 --npl 128 (S_PP); ENGINE_AB=1
 #     adds the 2048 run with the wgmma path off (LINRNN_NVFP4_WGMMA=0); SKIP_BENCH=1 skips (B);
-# (D) PREFIX=1: tools/gpu_prefix.sh (issue #16's TTFT benefit).
+# (D) PREFIX=on|off|report: that stage of tools/gpu_prefix.sh (issue #16's TTFT benefit; on / off ~3-5 min each).
 # LINRNN_COMMIT=<sha> bash tools/gpu_moe_prefill.sh   -> $OUT/moe_prefill_* (tables), $OUT/*.log
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -35,7 +35,7 @@ if [ -n "${ENGINE:-}" ]; then  # the engine (NVFP4 35B-A3B dummy): 2048-token pr
   [ -n "${ENGINE_AB:-}" ] && LINRNN_NVFP4_WGMMA=0 eng batched_2048_off ${T_E3:-120} --npp 2048 --ntg 16 --npl 1,8
   el "engine done"
 fi
-if [ -n "${PREFIX:-}" ]; then
-  timeout ${T_PREFIX:-240} bash tools/gpu_prefix.sh 2>&1 | filt | tail -30
+if [ -n "${PREFIX:-}" ]; then  # PREFIX=on | off | report (gpu_prefix.sh's stages; on / off take ~3-5 min each)
+  timeout ${T_PREFIX:-420} bash tools/gpu_prefix.sh $PREFIX 2>&1 | filt | tail -30
   el "prefix done"
 fi
