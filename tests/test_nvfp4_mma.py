@@ -127,15 +127,19 @@ def test_decode_asm_matches_emulation_text():
 
 
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
-@pytest.mark.parametrize("gated,split,units,prefetch", [(True, 1, 1, True), (False, 2, 1, True), (True, 4, 1, True),
-                                                        (True, 1, 2, True), (True, 1, 4, False)])
-def test_sm90_compile_k_loop(gated, split, units, prefetch):
+@pytest.mark.parametrize("gated,split,units,prefetch,fused", [
+    (True, 1, 1, True, False), (False, 2, 1, True, False), (True, 4, 1, True, False), (True, 4, 1, True, True),
+    (True, 1, 2, True, False), (True, 1, 4, False, False)])
+def test_sm90_compile_k_loop(gated, split, units, prefetch, fused):
     """Compiled for sm_90 on the CPU: the decoded weights never touch shared memory (the
     regrouping into the MMA operand layout is asserted trivial at compile time), no spills, and
-    the K loop stays within the instruction budget at the 8-token tile."""
-    st = nvfp4_mma.k_loop_stats(gated=gated, split=split, units=units, prefetch=prefetch)
+    the K loop stays within the instruction budget at the 8-token tile. The fused split-K reduction
+    adds one integer ticket atomic per CTA (its result broadcast through 4 bytes of shared memory)
+    and no float atomics."""
+    st = nvfp4_mma.k_loop_stats(gated=gated, split=split, units=units, prefetch=prefetch, fused_reduce=fused)
     assert st["smem_ops_in_loop"] == 0, st["ops"]
-    assert st["shared"] == 0
+    assert st["shared"] == (4 if fused else 0)
+    assert st["atomics"] == (1 if fused else 0)
     assert st["spill_ops"] == 0
     assert st["regs"] <= 72  # >= 7 CTAs of 4 warps per SM
     k_per_iter = 64 * units * (2 if prefetch else 1)
@@ -221,11 +225,16 @@ def test_mma_per_expert_loads(nan_buffers):
     ref = naive.moe_experts(x, topw, ids, w13, w2)
     for tokens, groups, prefetch in ((8, (1, 1), False), (16, (1, 1), False), (8, (2, 4), False), (8, (1, 1), True)):
         for splits in ((1, 1), (2, 2), (4, 2)):  # every split-K path
-            y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=tokens,
-                                        groups=groups, prefetch=prefetch)
-            assert not y.isnan().any()
-            err = float((y.double() - ref.double()).norm() / ref.double().norm())
-            assert err <= 1e-2, (tokens, groups, splits, err)
+            outs = []
+            for fused in (True, False):  # gate_up's partials reduced by its last split / by a separate launch
+                y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=tokens,
+                                            groups=groups, prefetch=prefetch, fused_reduce=fused)
+                assert not y.isnan().any()
+                err = float((y.double() - ref.double()).norm() / ref.double().norm())
+                assert err <= 1e-2, (tokens, groups, splits, fused, err)
+                outs.append(y)
+            assert torch.equal(outs[0], outs[1])  # the same sums in the same order
+    assert not nvfp4_mma.tickets("cuda").any()  # every ticket back to 0
 
 
 @pytest.mark.gpu

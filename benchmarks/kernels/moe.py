@@ -5,7 +5,10 @@ router logits to the combined expert output, routing realistic (softmax of x @ W
 random x and a router at HF init scale 0.02, so some experts are hot). Side by side, in one run:
   nvfp4/mma       our default NVFP4 path on Hopper: decode batches on the MMA-fragment kernel
                   (nvfp4_mma.py, experts repacked once per weight set as the loader does), large
-                  batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py)
+                  batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py); routed as
+                  the engine's layer does from logits (up to 512 pairs: softmax, top-k, bf16 weights
+                  and the experts' alignment in one launch, router_fused.route_align_logits)
+  nvfp4/mma-route the same experts behind the separate route kernel, weight cast and alignment
   nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the older Hopper kernel)
   nvfp4/wgmma     the prefill kernel (nvfp4_wgmma.py: wide token blocks on wgmma) at any batch; -nN-wW fix its
                   tokens per expert block (64 / 128 / 256), warps per CTA (4 / 8 / 16) 64-k units per K step (1 / 2), -sS the cp.async ring depth (default 4)
@@ -63,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test; runs on CPU too)")
     p.add_argument("--mma-sweep", action="store_true",
-                   help="also time the nvfp4/mma layer over (tokens per block, warps, k units per step)")
+                   help="also time the nvfp4/mma layer over MMA_CANDIDATES (tile, split-K and reduction variants)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one graph replay per variant: device time per kernel")
 
@@ -140,6 +143,20 @@ def ours(logits, x, top_k, w13, w2, path=None):
     return experts.moe_experts(x, topw.to(x.dtype), ids, w13, w2, nvfp4_path=path)
 
 
+def ours_engine_routing(logits, x, top_k, w13, w2):
+    """Routing as the engine's MoE layer does it from logits (kernels/moe route_align without the fused
+    gate GEMM): up to 512 pairs, softmax + top-k + alignment in one launch with bf16 weights, whose
+    alignment the experts reuse; then our default expert path."""
+    from linrnn_kernels.moe import router_fused
+
+    E = w13.data.shape[0]
+    if x.shape[0] * top_k > router_fused.MAX_PAIRS:
+        return ours(logits, x, top_k, w13, w2)
+    block_m = experts.alignment_block_m(x, top_k, w13, w2)
+    topw, ids, (sid, eid, npad) = router_fused.route_align_logits(logits, E, top_k, True, block_m, x.dtype)
+    return experts.moe_experts(x, topw, ids, w13, w2, alignment=experts.Alignment(sid, eid, npad, block_m))
+
+
 _PACKED: dict = {}
 
 
@@ -189,7 +206,8 @@ def ours_dequant(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
 
 VARIANTS = {
     # name: (weight format, callable(logits, x, k, w13, w2))
-    "nvfp4/mma": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, *with_packed(a, b), "mma")),
+    "nvfp4/mma": ("nvfp4", lambda l, x, k, a, b: ours_engine_routing(l, x, k, *with_packed(a, b))),
+    "nvfp4/mma-route": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, *with_packed(a, b), "mma")),
     "nvfp4/mma-any": ("nvfp4", ours_mma_any),
     "nvfp4/dequant-bf16": ("nvfp4", ours_dequant),
     "nvfp4/wgmma": ("nvfp4", ours_wgmma()),
@@ -363,25 +381,29 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
 # ------------------------------------------------------------------------ MMA sweep / profile
 
 # (tokens per block, warps per CTA, most k units per step, row groups per CTA for gate_up, down,
-#  prefetch of the next K step's codes and scales)
-MMA_CANDIDATES = [(8, 4, 4, 1, 1, False), (8, 4, 2, 1, 1, True), (8, 4, 1, 1, 1, True), (8, 4, 4, 1, 1, True),
-                  (8, 2, 2, 1, 1, True), (8, 4, 2, 1, 2, True), (8, 8, 2, 1, 1, True), (8, 4, 2, 1, 1, False)]
+#  prefetch of the next K step's codes and scales, split-K target programs per SM, gate_up's split-K
+#  reduced by its last split (else a separate launch))
+MMA_CANDIDATES = [(8, 4, 1, 1, 1, True, 2, True, False), (8, 4, 1, 1, 1, True, 2, False, False),
+                  (8, 4, 1, 1, 1, True, 4, True, False), (8, 4, 1, 1, 1, True, 8, True, False),
+                  (8, 4, 1, 1, 1, True, 2, True, True), (8, 4, 2, 1, 1, True, 4, True, False)]
 
 
-def mma_key(tokens, warps, units, g13, g2, prefetch) -> str:
-    return f"t{tokens} w{warps} u{units} g{g13}/{g2}{' pf' if prefetch else ''}"
+def mma_key(tokens, warps, units, g13, g2, prefetch, per_sm, fused, evict) -> str:
+    return (f"t{tokens} w{warps} u{units} g{g13}/{g2}{' pf' if prefetch else ''} s{per_sm}{' fr' if fused else ''}"
+            f"{' ef' if evict else ''}")
 
 
 def mma_sweep(sets, inputs, k, args, cuda) -> dict:
-    """Layer time of the nvfp4/mma path per (tokens, warps, units) candidate (graph replays)."""
+    """Layer time of the nvfp4/mma path per MMA_CANDIDATES entry (graph replays)."""
     out = {}
-    for tokens, warps, units, g13, g2, pf in MMA_CANDIDATES:
+    for tokens, warps, units, g13, g2, pf, per_sm, fused, evict in MMA_CANDIDATES:
         def call(s, x, logits):
             topw, ids = router.route(logits, k, True)
             a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
             return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed, tokens=tokens,
-                                           warps=warps, units=units, groups=(g13, g2), prefetch=pf)
-        key = mma_key(tokens, warps, units, g13, g2, pf)
+                                           warps=warps, units=units, groups=(g13, g2), prefetch=pf,
+                                           per_sm=per_sm, fused_reduce=fused, evict_first=evict)
+        key = mma_key(tokens, warps, units, g13, g2, pf, per_sm, fused, evict)
         try:
             calls = [graphed(lambda s=s, inp=inp: call(s, inp[0], inp[1]), cuda)[0] for s, inp in zip(sets, inputs)]
             out[key] = bench(calls, args.warmup, args.rep, cuda)
@@ -531,7 +553,7 @@ def run(args) -> int:
     if args.mma_sweep:
         keys = [mma_key(*c) for c in MMA_CANDIDATES]
         table += ("\n## nvfp4/mma layer time by t(okens per block) w(arps per CTA) u(most 64-k units per step) "
-                  "g(row groups per CTA: gate_up/down) pf(prefetch of the next K step), us\n\n")
+                  "g(row groups per CTA: gate_up/down) pf(prefetch of the next K step) s(split-K target programs per SM) fr(gate_up split-K reduced by its last split) ef(weight loads evict-first), us\n\n")
         table += "| B | " + " | ".join(keys) + " |\n|---:|" + "---:|" * len(keys) + "\n"
         for r in rows:
             cells = [r.get("mma_sweep", {}).get(kk) for kk in keys]

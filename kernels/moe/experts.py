@@ -239,9 +239,12 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
                     tokens: int | None = None, warps: int = 4, units: int = nvfp4_mma.DEFAULT_UNITS,
                     groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
-                    alignment: Alignment | None = None, combine: bool = True):
+                    alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
+                    per_sm: int = nvfp4_mma.DEFAULT_PER_SM, evict_first: bool = False):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
-    w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py).
+    w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
+    `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
+    or by a separate launch.
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -260,18 +263,21 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     active = min(E, P)
     sms = nvfp4_mma.num_sms(x.device)
     if splits is None:
-        splits = tuple(nvfp4_mma.split_k(p.codes.shape[2], active * nvfp4_mma.programs_per_block(p, warps) // g, sms)
+        splits = tuple(nvfp4_mma.split_k(p.codes.shape[2], active * nvfp4_mma.programs_per_block(p, warps) // g, sms,
+                                         per_sm)
                        for p, g in ((p13, groups[0]), (p2, groups[1])))
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
-                  tokens=tokens, warps=warps, units=units, prefetch=prefetch)
+                  tokens=tokens, warps=warps, units=units, prefetch=prefetch, evict_first=evict_first)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if s13 == 1:
         nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], **common)
     else:
         ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device)
-        nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], **common)
-        gg.silu_mul_reduce(ws, h)
+        nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], h=h if fused_reduce else None,
+                         **common)
+        if not fused_reduce:
+            gg.silu_mul_reduce(ws, h)
     part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
     nvfp4_mma.launch(h, p2, part, route_weights=topk_weights.reshape(-1).contiguous(), split=s2,
                      groups=groups[1], **common)

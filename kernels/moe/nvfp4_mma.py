@@ -40,6 +40,7 @@ from linrnn_kernels.moe import nvfp4_layout as lay
 # in flight, 48 registers
 DEFAULT_UNITS = 1
 DEFAULT_PREFETCH = True
+DEFAULT_PER_SM = 2  # split-K until about this many programs per SM (small batches)
 TOKENS = (8, 16)  # MMA N: tokens per expert block (16: two n8 MMAs share each decoded A fragment)
 
 # $0..$15: out_j of words 0..3 (out0 w0..w3, out1 w0..w3, ...); $16..$19 the four code words; $20 the
@@ -103,13 +104,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _nvfp4_mma_kernel(
             x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_os, stride_om,
-            sorted_ids_ptr, expert_ids_ptr, route_w_ptr,
+            sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr,
             num_rows, N, K, n_tiles, k_units, num_m_blocks,
             stride_ce, stride_se, stride_rse,
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
-            GROUPS: gl.constexpr, PREFETCH: gl.constexpr):
+            GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr):
         ROWS: gl.constexpr = 16 * WARPS
         BK: gl.constexpr = 64 * UNITS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -169,15 +170,15 @@ if HAVE_GLUON:
             if PREFETCH:
                 # two K steps per iteration, ping-pong: the codes and scales of the next step are in
                 # flight while this one is decoded (the last loads read pack()'s slack, unused)
-                qa = gl.load(c_base + c_off)
-                sa = gl.load(s_base + s_off)
+                qa = gl.load(c_base + c_off, eviction_policy=EVICT)
+                sa = gl.load(s_base + s_off, eviction_policy=EVICT)
                 for k0 in range(u_lo * 64, k_end, 2 * BK):
-                    qb = gl.load(c_base + UNITS * 256 + c_off)
-                    sb = gl.load(s_base + UNITS * 16 + s_off)
+                    qb = gl.load(c_base + UNITS * 256 + c_off, eviction_policy=EVICT)
+                    sb = gl.load(s_base + UNITS * 16 + s_off, eviction_policy=EVICT)
                     acc = _decode_mma(qa, sa, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
                                       CONSTRAINTS, WARPS, UNITS)
-                    qa = gl.load(c_base + 2 * UNITS * 256 + c_off)
-                    sa = gl.load(s_base + 2 * UNITS * 16 + s_off)
+                    qa = gl.load(c_base + 2 * UNITS * 256 + c_off, eviction_policy=EVICT)
+                    sa = gl.load(s_base + 2 * UNITS * 16 + s_off, eviction_policy=EVICT)
                     acc = _decode_mma(qb, sb, x_base + BK, x_off, offs_kb, k0 + BK, K, acc, a_op, EVEN_K,
                                       DECODE, CONSTRAINTS, WARPS, UNITS)
                     c_base += 2 * UNITS * 256
@@ -185,8 +186,8 @@ if HAVE_GLUON:
                     x_base += 2 * BK
             else:
                 for k0 in range(u_lo * 64, k_end, BK):
-                    q = gl.load(c_base + c_off)
-                    sw = gl.load(s_base + s_off)
+                    q = gl.load(c_base + c_off, eviction_policy=EVICT)
+                    sw = gl.load(s_base + s_off, eviction_policy=EVICT)
                     acc = _decode_mma(q, sw, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
                                       CONSTRAINTS, WARPS, UNITS)
                     c_base += UNITS * 256
@@ -215,23 +216,43 @@ if HAVE_GLUON:
                 acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
             rows_out = ids.to(gl.int64)[None, :] * stride_om
             if GATED and SPLIT_K == 1:
-                # [w, r8, g, n] -> gate (r8 = 0) and up (r8 = 1) of the same (g, n) in one thread
-                acc4 = gl.permute(gl.reshape(acc, [WARPS, 2, 8, TOK]), [0, 2, 3, 1])
-                gate, up = gl.split(acc4)
-                h = gate / (1.0 + gl.exp(-gate)) * up
-                hl: gl.constexpr = gate.type.layout
-                hw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
-                hg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
-                hn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
-                hcol = (tile0 + hw)[:, None, None] * 8 + hg[None, :, None]
-                hids = gl.load(sorted_ids_ptr + pid_m * TOK + hn)
-                hok = (hcol < N // 2) & (hids < num_rows)[None, None, :]
-                gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + hcol,
-                         h.to(out_ptr.dtype.element_ty), mask=hok)
+                _silu_store(acc, out_ptr, stride_om, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS, TOK)
             else:
                 gl.store(out_ptr + pid_k * stride_os + rows_out + w_row[:, None],
                          acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+                if FUSED_REDUCE:
+                    # split-K reduction through a ticket per output tile: the last split to finish sums
+                    # every split's partials in split order 0, 1, .. (bit-reproducible whoever is last),
+                    # applies SiLU(gate) * up and resets the ticket for the next launch
+                    gl.barrier()
+                    tick = tick_ptr + pid * GROUPS + grp
+                    done = gl.atomic_add(tick, 1, sem="acq_rel", scope="gpu")
+                    if done == SPLIT_K - 1:
+                        gl.barrier()
+                        acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
+                        for s in gl.static_range(SPLIT_K):
+                            acc += gl.load(out_ptr + s * stride_os + rows_out + w_row[:, None],
+                                           mask=row_ok[:, None] & tok_ok[None, :], other=0.0, cache_modifier=".cg")
+                        gl.store(tick, 0)
+                        _silu_store(acc, h_ptr, stride_h, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS, TOK)
 
+    @gluon.jit
+    def _silu_store(acc, out_ptr, stride_om, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS: gl.constexpr,
+                    TOK: gl.constexpr):
+        """Gated epilogue: accumulator rows [w, r8, g] hold gate (r8 = 0) and up (r8 = 1) of the same output
+        column in one thread; stores SiLU(gate) * up [tokens, N / 2]."""
+        acc4 = gl.permute(gl.reshape(acc, [WARPS, 2, 8, TOK]), [0, 2, 3, 1])
+        gate, up = gl.split(acc4)
+        h = gate / (1.0 + gl.exp(-gate)) * up
+        hl: gl.constexpr = gate.type.layout
+        hw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
+        hg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
+        hn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
+        hcol = (tile0 + hw)[:, None, None] * 8 + hg[None, :, None]
+        hids = gl.load(sorted_ids_ptr + pid_m * TOK + hn)
+        hok = (hcol < N // 2) & (hids < num_rows)[None, None, :]
+        gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + hcol,
+                 h.to(out_ptr.dtype.element_ty), mask=hok)
 
 def available(device=None) -> bool:
     """Whether the MMA-fragment NVFP4 path can run: Gluon importable, a Hopper (sm_90) CUDA device
@@ -247,11 +268,11 @@ def available(device=None) -> bool:
     return major == 9
 
 
-def split_k(k_units: int, programs: int, num_sms: int) -> int:
-    """Smallest power-of-two split of the K units giving >= 2 programs per SM (each split keeps
+def split_k(k_units: int, programs: int, num_sms: int, per_sm: int = 2) -> int:
+    """Smallest power-of-two split of the K units giving >= per_sm programs per SM (each split keeps
     >= 2 units), so B = 1-8 decode still fills the SMs."""
     split = 1
-    while programs * split < 2 * num_sms and k_units % (2 * split) == 0 and k_units // (2 * split) >= 2:
+    while programs * split < per_sm * num_sms and k_units % (2 * split) == 0 and k_units // (2 * split) >= 2:
         split *= 2
     return split
 
@@ -282,12 +303,29 @@ def programs_per_block(w: lay.PackedNvfp4, warps: int = 4) -> int:
     return T // warps
 
 
+# split-K tickets: int32 counters, one buffer per device, zero between launches (each launch's last
+# splits reset theirs; launches on one stream do not overlap). Allocated on first use (a warm-up,
+# before any graph capture).
+TICKETS = 1 << 16
+_tickets: dict = {}
+
+
+def tickets(device) -> torch.Tensor:
+    device = torch.device(device)
+    t = _tickets.get(device)
+    if t is None:
+        t = _tickets[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return t
+
+
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
-           prefetch: bool = False):
-    """One grouped GEMM over 8-token blocks. out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
-    f32 partials [split, rows, N] (columns in the original row order of w)."""
+           prefetch: bool = False, h: torch.Tensor | None = None, evict_first: bool = False):
+    """One grouped GEMM over 8-token blocks (evict_first: weight loads hinted to leave L2 first). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
+    f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
+    h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
+    through tickets) and stores SiLU(gate) * up into h (no separate reduction launch)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -304,17 +342,22 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     codes16 = w.codes.view(torch.int16)
     scales32 = w.scales.view(torch.int32)
     grid = (num_m_blocks * (T // (warps * groups)), split)
+    fused = h is not None
+    if fused and not (w.gated and split > 1 and grid[0] * groups <= TICKETS):
+        raise ValueError(f"the fused split-K reduction needs gated weights, split > 1 and <= {TICKETS} tiles")
     dummy = out
     _nvfp4_mma_kernel[grid](
         x, x.stride(0), codes16, scales32, w.row_scale, out,
         out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
         sorted_ids, expert_ids, route_weights if route_weights is not None else dummy,
+        h if fused else dummy, h.stride(0) if fused else 0, tickets(x.device) if fused else sorted_ids,
         num_rows, w.n, w.k, T, U, num_m_blocks,
         codes16.stride(0), scales32.stride(0), w.row_scale.stride(0),
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None,
         SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
-        GROUPS=groups, PREFETCH=prefetch, num_warps=warps)
+        GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
+        EVICT="evict_first" if evict_first else "", num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,22 +365,23 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
 
 def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
                     route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
-                    prefetch: bool = False):
+                    prefetch: bool = False, fused_reduce: bool = False):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
            "out_ptr": "*bf16" if (gated and split == 1) else "*fp32", "stride_os": "i32", "stride_om": "i32",
            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "route_w_ptr": "*bf16",
-           "num_rows": "i32", "N": "i32", "K": "i32", "n_tiles": "i32", "k_units": "i32",
+           "h_ptr": "*bf16", "stride_h": "i32", "tick_ptr": "*i32", "num_rows": "i32", "N": "i32", "K": "i32", "n_tiles": "i32", "k_units": "i32",
            "num_m_blocks": "i32", "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=route_weighted, SPLIT_K=split,
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
-                  GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch)
+                  GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
+                  FUSED_REDUCE=fused_reduce, EVICT="")
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
     div16 = {"x_ptr", "stride_x", "codes_ptr", "scales_ptr", "rs_ptr", "out_ptr", "stride_os", "stride_om",
-             "sorted_ids_ptr", "expert_ids_ptr", "route_w_ptr", "N", "K", "stride_ce", "stride_se", "stride_rse"}
+             "sorted_ids_ptr", "expert_ids_ptr", "route_w_ptr", "h_ptr", "stride_h", "tick_ptr", "N", "K", "stride_ce", "stride_se", "stride_rse"}
     names = list(_nvfp4_mma_kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = gluon._runtime.GluonASTSource(fn=_nvfp4_mma_kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -359,7 +403,7 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
-                 tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH) -> dict:
+                 tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -374,14 +418,14 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
         # the interpreter patches triton.language globally once a kernel has run in it, which breaks
         # real compilation in this process: compile in a clean one
         args = dict(gated=gated, split=split, units=units, warps=warps, arch=arch, tokens=tokens, groups=groups,
-                    prefetch=prefetch)
+                    prefetch=prefetch, fused_reduce=fused_reduce)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         out = subprocess.run([sys.executable, "-m", "linrnn_kernels.moe.nvfp4_mma", json.dumps(args)], env=env,
                              check=True, capture_output=True, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
-                        tokens=tokens, groups=groups, prefetch=prefetch)
+                        tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce)
     sass = _sass(k.asm["cubin"])
     ins = []
     for line in sass.splitlines():
@@ -407,6 +451,7 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     return {"instructions": len(body), "per_weight": len(body) / weights, "ops": dict(ops),
             "smem_ops_in_loop": sum(v for o, v in ops.items() if o in ("STS", "LDS", "LDSM", "BAR", "STSM")),
             "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
+            "atomics": sum(1 for _, t in ins if re.search(r"\b(ATOMG|RED)\b", t)),
             "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared}
 
 

@@ -223,6 +223,53 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
     return logits, topk_w, topk_ids, (sorted_ids, expert_ids, num_padded), h
 
 
+@triton.jit
+def _route_align_kernel(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+                        M, E, max_blocks, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
+    _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, M, E, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_TOPK)
+    tl.debug_barrier()
+    _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M * TOP_K, E, max_blocks,
+                 BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
+
+
+def route_align_logits(logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, block_m: int,
+                       weight_dtype: torch.dtype):
+    """Routing and alignment from router logits [M, >= E] in one single-program launch (M * top_k <=
+    MAX_PAIRS): (topk_weights [M, k] in weight_dtype, topk_ids [M, k] int32, (sorted_ids, expert_ids,
+    num_padded) as align.moe_align_block_size(topk_ids, E, block_m)); for batches the fused router
+    does not take (its gate GEMM split over N tiles is tuned for up to 32 rows)."""
+    M = logits.shape[0]
+    E = num_experts
+    P = M * top_k
+    if logits.dim() != 2 or logits.shape[1] < E or not 1 <= top_k <= E or E > 1024 or P > MAX_PAIRS:
+        raise ValueError(f"route_align_logits: logits {tuple(logits.shape)}, E={E}, top_k={top_k}: needs "
+                         f"E <= 1024 and M * top_k <= {MAX_PAIRS}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    dev = logits.device
+    max_padded = max_padded_pairs(P, E, block_m)
+    max_blocks = max_padded // block_m
+    topk_w = torch.empty(M, top_k, dtype=weight_dtype, device=dev)
+    topk_ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(max(max_padded, 1), dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max(max_blocks, 1), dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    starts = torch.empty(E, dtype=torch.int32, device=dev)
+    if M:
+        block_mm = triton.next_power_of_2(M)
+        _route_align_kernel[(1,)](
+            logits, logits.stride(0), topk_w, topk_ids, starts, sorted_ids, expert_ids, num_padded,
+            M, E, max_blocks, TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_M=block_mm,
+            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
+            BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, num_warps=4 if block_mm <= 8 else 8)
+    else:
+        num_padded.zero_()
+        expert_ids.fill_(-1)
+    return topk_w, topk_ids, (sorted_ids, expert_ids, num_padded)
+
+
 def naive_route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, block_m: int):
     """The unfused composition: (logits, topk_weights in x.dtype, topk_ids, naive alignment)."""
     from linrnn_kernels.moe import naive
