@@ -22,11 +22,14 @@ CUDA = torch.cuda.is_available()
 
 # Instructions per weight in the K loop at the 8-token tile (sm_90, triton 3.6 and 3.9; thread
 # instructions / weights a thread consumes; 11 decode + 4 FMA + 2 scale ops per 8 codes, 1 HMMA per 8
-# weights, the loads and their addresses). Issue #13 aims at <= 2.8. The default tile (1 unit per
-# step, two steps per iteration with prefetch, 48 registers) issues 181 per 64 = 2.83: it misses the
-# aim by 0.03 but measured 2-14 % faster on the H200 than the 2-unit tile (357 / 128 = 2.79) and the
-# 4-unit tile without prefetch (354 / 128 = 2.77), which both stay within 2.8.
-IPW_BUDGET = {(1, True): 2.85, (2, True): 2.8, (4, False): 2.8}
+# weights, the loads and their addresses). Issue #13 aims at <= 2.8. Plain loads: the default tile (1
+# unit per step, two steps per iteration with prefetch, 48 registers) issues 181 per 64 = 2.83 (the
+# fused split-K reduction's tile 2.80, 2 units 2.78-2.79, 4 units without prefetch 2.76-2.77). The
+# default evict-first weight loads (2-4 % faster on the H200) cost triton 3.6 one L2 cache-policy
+# creation per load in the loop (6 uniform-datapath ops per 64 weights: 2.92; triton 3.9 emits a plain
+# LDG.EF: 2.83). So the budget: 2.85, plus 0.1 with the evict-first hint.
+def ipw_budget(hint: str) -> float:
+    return 2.85 + (0.1 if hint == "evict_first" else 0.0)
 
 
 def _random_nvfp4(E, n, k, gen, zero_frac=0.05):
@@ -127,16 +130,17 @@ def test_decode_asm_matches_emulation_text():
 
 
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
-@pytest.mark.parametrize("gated,split,units,prefetch,fused", [
-    (True, 1, 1, True, False), (False, 2, 1, True, False), (True, 4, 1, True, False), (True, 4, 1, True, True),
-    (True, 1, 2, True, False), (True, 1, 4, False, False)])
-def test_sm90_compile_k_loop(gated, split, units, prefetch, fused):
+@pytest.mark.parametrize("gated,split,units,prefetch,fused,hint", [
+    (True, 1, 1, True, False, "evict_first"), (True, 1, 1, True, False, "none"), (False, 2, 1, True, False, "evict_first"),
+    (True, 4, 1, True, True, "evict_first"), (True, 1, 2, True, False, "none"), (True, 1, 4, False, False, "none")])
+def test_sm90_compile_k_loop(gated, split, units, prefetch, fused, hint):
     """Compiled for sm_90 on the CPU: the decoded weights never touch shared memory (the
     regrouping into the MMA operand layout is asserted trivial at compile time), no spills, and
     the K loop stays within the instruction budget at the 8-token tile. The fused split-K reduction
     adds one integer ticket atomic per CTA (its result broadcast through 4 bytes of shared memory)
     and no float atomics."""
-    st = nvfp4_mma.k_loop_stats(gated=gated, split=split, units=units, prefetch=prefetch, fused_reduce=fused)
+    st = nvfp4_mma.k_loop_stats(gated=gated, split=split, units=units, prefetch=prefetch, fused_reduce=fused,
+                                weight_hint=hint)
     assert st["smem_ops_in_loop"] == 0, st["ops"]
     assert st["shared"] == (4 if fused else 0)
     assert st["atomics"] == (1 if fused else 0)
@@ -145,7 +149,7 @@ def test_sm90_compile_k_loop(gated, split, units, prefetch, fused):
     k_per_iter = 64 * units * (2 if prefetch else 1)
     assert st["ops"].get("HMMA", 0) == k_per_iter // 16  # one m16n8k16 per 16 k of the warp's 16 rows
     assert st["ops"].get("LDG", 0) <= k_per_iter // 16, st["ops"]  # 16-byte code, 4-byte scale and activation loads
-    assert st["per_weight"] <= IPW_BUDGET[(units, prefetch)], st
+    assert st["per_weight"] <= ipw_budget(hint), st
 
 
 def test_split_k_fills_sms():

@@ -5,10 +5,13 @@ router logits to the combined expert output, routing realistic (softmax of x @ W
 random x and a router at HF init scale 0.02, so some experts are hot). Side by side, in one run:
   nvfp4/mma       our default NVFP4 path on Hopper: decode batches on the MMA-fragment kernel
                   (nvfp4_mma.py, experts repacked once per weight set as the loader does), large
-                  batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py); routed as
-                  the engine's layer does from logits (up to 512 pairs: softmax, top-k, bf16 weights
-                  and the experts' alignment in one launch, router_fused.route_align_logits)
+                  batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py); up to 64
+                  pairs routed in one launch as the engine's layer is (softmax, top-k, bf16 weights
+                  and the experts' alignment: router_fused.route_align_logits)
   nvfp4/mma-route the same experts behind the separate route kernel, weight cast and alignment
+  nvfp4/mma-parts nvfp4/mma without the top-k combine launch: the engine's decode layer hands the
+                  uncombined partials to the shared expert's down projection, which sums them
+                  (LINRNN_FUSED_MOE_COMBINE, on by default); checked after summing them outside the timing
   nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the older Hopper kernel)
   nvfp4/wgmma     the prefill kernel (nvfp4_wgmma.py: wide token blocks on wgmma) at any batch; -nN-wW fix its
                   tokens per expert block (64 / 128 / 256), warps per CTA (4 / 8 / 16) 64-k units per K step (1 / 2), -sS the cp.async ring depth (default 4)
@@ -66,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test; runs on CPU too)")
     p.add_argument("--mma-sweep", action="store_true",
-                   help="also time the nvfp4/mma layer over MMA_CANDIDATES (tile, split-K and reduction variants)")
+                   help="also time the nvfp4/mma layer over MMA_CANDIDATES (tile, split-K, reduction, cache-hint variants)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one graph replay per variant: device time per kernel")
 
@@ -143,18 +146,28 @@ def ours(logits, x, top_k, w13, w2, path=None):
     return experts.moe_experts(x, topw.to(x.dtype), ids, w13, w2, nvfp4_path=path)
 
 
-def ours_engine_routing(logits, x, top_k, w13, w2):
-    """Routing as the engine's MoE layer does it from logits (kernels/moe route_align without the fused
-    gate GEMM): up to 512 pairs, softmax + top-k + alignment in one launch with bf16 weights, whose
-    alignment the experts reuse; then our default expert path."""
+def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True):
+    """Routing in one launch as the engine's decode layer does (there the fused router also runs the
+    gate GEMM): up to router_fused.LOGITS_MAX_PAIRS pairs softmax + top-k + alignment with bf16 weights
+    in one launch whose alignment the experts reuse; then our default expert path."""
     from linrnn_kernels.moe import router_fused
 
     E = w13.data.shape[0]
-    if x.shape[0] * top_k > router_fused.MAX_PAIRS:
-        return ours(logits, x, top_k, w13, w2)
+    if x.shape[0] * top_k > router_fused.LOGITS_MAX_PAIRS:
+        topw, ids = router.route(logits, top_k, True)
+        return experts.moe_experts(x, topw.to(x.dtype), ids, w13, w2, combine=combine)
     block_m = experts.alignment_block_m(x, top_k, w13, w2)
     topw, ids, (sid, eid, npad) = router_fused.route_align_logits(logits, E, top_k, True, block_m, x.dtype)
-    return experts.moe_experts(x, topw, ids, w13, w2, alignment=experts.Alignment(sid, eid, npad, block_m))
+    return experts.moe_experts(x, topw, ids, w13, w2, alignment=experts.Alignment(sid, eid, npad, block_m),
+                               combine=combine)
+
+
+def combined(y):
+    """The layer output of a variant: experts.Partials summed over splits and top-k (outside the timing)."""
+    if isinstance(y, experts.Partials):
+        T = y.part.shape[1] // y.group
+        return y.part.sum(0).view(T, y.group, -1).sum(1).bfloat16()
+    return y
 
 
 _PACKED: dict = {}
@@ -208,6 +221,7 @@ VARIANTS = {
     # name: (weight format, callable(logits, x, k, w13, w2))
     "nvfp4/mma": ("nvfp4", lambda l, x, k, a, b: ours_engine_routing(l, x, k, *with_packed(a, b))),
     "nvfp4/mma-route": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, *with_packed(a, b), "mma")),
+    "nvfp4/mma-parts": ("nvfp4", lambda l, x, k, a, b: ours_engine_routing(l, x, k, *with_packed(a, b), combine=False)),
     "nvfp4/mma-any": ("nvfp4", ours_mma_any),
     "nvfp4/dequant-bf16": ("nvfp4", ours_dequant),
     "nvfp4/wgmma": ("nvfp4", ours_wgmma()),
@@ -380,30 +394,28 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
 
 # ------------------------------------------------------------------------ MMA sweep / profile
 
-# (tokens per block, warps per CTA, most k units per step, row groups per CTA for gate_up, down,
-#  prefetch of the next K step's codes and scales, split-K target programs per SM, gate_up's split-K
-#  reduced by its last split (else a separate launch))
-MMA_CANDIDATES = [(8, 4, 1, 1, 1, True, 2, True, False), (8, 4, 1, 1, 1, True, 2, False, False),
-                  (8, 4, 1, 1, 1, True, 4, True, False), (8, 4, 1, 1, 1, True, 8, True, False),
-                  (8, 4, 1, 1, 1, True, 2, True, True), (8, 4, 2, 1, 1, True, 4, True, False)]
-
-
-def mma_key(tokens, warps, units, g13, g2, prefetch, per_sm, fused, evict) -> str:
-    return (f"t{tokens} w{warps} u{units} g{g13}/{g2}{' pf' if prefetch else ''} s{per_sm}{' fr' if fused else ''}"
-            f"{' ef' if evict else ''}")
+# moe_experts_mma options per candidate, over the default (8-token blocks, 4 warps, 1 unit per step with
+# the next step prefetched, split-K to 2 programs per SM, gate_up's split-K reduced by its last split,
+# evict-first weight loads, one row tile of every expert block after the other)
+MMA_CANDIDATES = {
+    "default": {},
+    "hint none": {"weight_hint": "none"},
+    "hint cg": {"weight_hint": "cg"},
+    "split to 4/SM": {"per_sm": 4},
+    "separate SiLU reduce": {"fused_reduce": False},
+    "16-token blocks": {"tokens": 16},
+    "row tiles of a block together": {"n_fastest": True},
+}
 
 
 def mma_sweep(sets, inputs, k, args, cuda) -> dict:
     """Layer time of the nvfp4/mma path per MMA_CANDIDATES entry (graph replays)."""
     out = {}
-    for tokens, warps, units, g13, g2, pf, per_sm, fused, evict in MMA_CANDIDATES:
+    for key, opts in MMA_CANDIDATES.items():
         def call(s, x, logits):
             topw, ids = router.route(logits, k, True)
             a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
-            return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed, tokens=tokens,
-                                           warps=warps, units=units, groups=(g13, g2), prefetch=pf,
-                                           per_sm=per_sm, fused_reduce=fused, evict_first=evict)
-        key = mma_key(tokens, warps, units, g13, g2, pf, per_sm, fused, evict)
+            return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed, **opts)
         try:
             calls = [graphed(lambda s=s, inp=inp: call(s, inp[0], inp[1]), cuda)[0] for s, inp in zip(sets, inputs)]
             out[key] = bench(calls, args.warmup, args.rep, cuda)
@@ -447,7 +459,7 @@ def run(args) -> int:
         print("torch._grouped_mm is missing: skipping the grouped_mm peer and dequant baseline")
         variants = [v for v in variants if v not in ("bf16/grouped_mm", "nvfp4/dequant")]
     if not cuda:
-        variants = [v for v in variants if v not in ("nvfp4/mma", "nvfp4/asm", "nvfp4/w4a4")]  # GPU-only paths
+        variants = [v for v in variants if not v.startswith(("nvfp4/mma", "nvfp4/asm", "nvfp4/w4a4"))]  # GPU-only paths
     elif torch.cuda.get_device_capability()[0] >= 10 and "nvfp4/w4a4" not in variants:
         variants.insert(1, "nvfp4/w4a4")  # FP4 tensor cores: time the (untested) W4A4 path too
     fmts = {VARIANTS[v][0] for v in variants}
@@ -483,7 +495,7 @@ def run(args) -> int:
                         refs[(si, fmt, act)] = naive.moe_experts(x, topw.to(x.dtype), ids, s[(fmt, "w13")],
                                                                  s[(fmt, "w2")], activations=act)
                     ref = refs[(si, fmt, act)]
-                    y = fn(logits, x, k, s[(fmt, "w13")], s[(fmt, "w2")])
+                    y = combined(fn(logits, x, k, s[(fmt, "w13")], s[(fmt, "w2")]))
                     errs.append(float((y.double() - ref.double()).norm() / ref.double().norm()))
                 row["err"][v] = max(errs)
                 if not max(errs) <= (2 * TOL if v == "nvfp4/w4a4" else TOL):
@@ -529,8 +541,8 @@ def run(args) -> int:
 
             ipw = {f"{'gate_up' if g else 'down'} split {sp} u{u}{' pf' if pf else ''}":
                    nvfp4_mma.k_loop_stats(gated=g, split=sp, units=u, prefetch=pf)["per_weight"]
-                   for g, sp, u, pf in ((True, 1, 4, False), (True, 2, 4, False), (False, 1, 4, False),
-                                        (False, 2, 4, False), (True, 1, 2, True), (True, 1, 1, True))}
+                   for g, sp, u, pf in ((True, 1, 1, True), (True, 4, 1, True), (False, 1, 1, True),
+                                        (False, 2, 1, True))}
         except Exception as e:  # the table still stands without it
             print(f"instruction count unavailable: {type(e).__name__}: {e}")
     table = markdown(rows, variants, copy_gbs, info, ipw)
@@ -551,9 +563,9 @@ def run(args) -> int:
                         (entry["gate_up"], entry["down"])]
                 table += f"| {r['B']} | {bm} | {sw['default']} | {best[0]} | {best[1]} |\n"
     if args.mma_sweep:
-        keys = [mma_key(*c) for c in MMA_CANDIDATES]
-        table += ("\n## nvfp4/mma layer time by t(okens per block) w(arps per CTA) u(most 64-k units per step) "
-                  "g(row groups per CTA: gate_up/down) pf(prefetch of the next K step) s(split-K target programs per SM) fr(gate_up split-K reduced by its last split) ef(weight loads evict-first), us\n\n")
+        keys = list(MMA_CANDIDATES)
+        table += ("\n## nvfp4/mma layer time per variant (benchmarks/kernels/moe.py MMA_CANDIDATES; routed by the separate "
+                  "route kernel), us\n\n")
         table += "| B | " + " | ".join(keys) + " |\n|---:|" + "---:|" * len(keys) + "\n"
         for r in rows:
             cells = [r.get("mma_sweep", {}).get(kk) for kk in keys]

@@ -10,8 +10,7 @@ Triton kernels on CUDA tensors (linrnn_kernels.dispatch.use_triton), the naive r
       -> (logits [T, NL] in x.dtype, topk_weights in x.dtype, topk_ids, alignment or None, h or None):
       the whole router; decode-sized batches run it as one kernel (router_fused.py, whose alignment the
       expert pipeline then reuses; with shared_w13 it also returns the shared expert's SiLU(gate)*up h),
-      up to 512 pairs the gate GEMM then routing + alignment in one launch (route_align_logits), else the
-      gate GEMM, route() and a cast (h None: the caller computes it)
+      else the gate GEMM, route() and a cast (h None: the caller computes it)
 Modules: router.py (softmax/top-k), router_fused.py (gate GEMM + routing + alignment), align.py (expert-sorted blocks), grouped_gemm.py (the one
 GEMM kernel for dense / fp8 / nvfp4 weights, also behind linrnn_kernels.quant.linear), experts.py
 (the pipeline), naive.py (the oracle).
@@ -64,13 +63,6 @@ def route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, shar
             x, gate_w, num_experts, top_k, renormalize, block_m, cfg, shared_w13=shared)
         return logits, w, ids, experts.Alignment(sorted_ids, expert_ids, num_padded, block_m), h
     logits = fused_linear(x, gate_w)
-    if use_triton(x) and experts_w is not None and M * top_k <= 512 and num_experts <= 1024:
-        from linrnn_kernels.moe import experts, router_fused
-
-        block_m = experts.alignment_block_m(x, top_k, *experts_w)
-        w, ids, (sorted_ids, expert_ids, num_padded) = router_fused.route_align_logits(
-            logits, num_experts, top_k, renormalize, block_m, x.dtype)
-        return logits, w, ids, experts.Alignment(sorted_ids, expert_ids, num_padded, block_m), None
     w, ids = route(logits[:, :num_experts], top_k, renormalize)
     return logits, w.to(x.dtype), ids, None, None
 

@@ -240,7 +240,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     tokens: int | None = None, warps: int = 4, units: int = nvfp4_mma.DEFAULT_UNITS,
                     groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
-                    per_sm: int = nvfp4_mma.DEFAULT_PER_SM, evict_first: bool = False):
+                    per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
+                    n_fastest: bool = False):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -268,7 +269,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                        for p, g in ((p13, groups[0]), (p2, groups[1])))
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
-                  tokens=tokens, warps=warps, units=units, prefetch=prefetch, evict_first=evict_first)
+                  tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint,
+                  n_fastest=n_fastest)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if s13 == 1:
         nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], **common)

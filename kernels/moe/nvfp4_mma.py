@@ -30,6 +30,8 @@ try:  # Gluon ships with triton >= 3.5; the layout / mma_v2 API used here is the
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     HAVE_GLUON = True
+    # CTA barrier: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except ImportError:  # pragma: no cover
     HAVE_GLUON = False
 
@@ -41,6 +43,17 @@ from linrnn_kernels.moe import nvfp4_layout as lay
 DEFAULT_UNITS = 1
 DEFAULT_PREFETCH = True
 DEFAULT_PER_SM = 2  # split-K until about this many programs per SM (small batches)
+# weight codes and scales are read once per expert block: "evict_first" hints L2 to evict them first
+# (an L2 cache policy; triton 3.6 creates it in the loop: +0.09 instructions per weight), "cg" caches
+# them in L2 only (not L1), "none" loads them plainly. H200 sweep at d444877: evict_first 2-4 % faster
+# than none at B = 8-256
+DEFAULT_WEIGHT_HINT = "evict_first"
+WEIGHT_HINTS = {"none": ("", ""), "evict_first": ("", "evict_first"), "cg": (".cg", "")}
+
+
+def _hint_consts(hint: str) -> dict:
+    cache, evict = WEIGHT_HINTS[hint]
+    return {"WCACHE": cache, "EVICT": evict}
 TOKENS = (8, 16)  # MMA N: tokens per expert block (16: two n8 MMAs share each decoded A fragment)
 
 # $0..$15: out_j of words 0..3 (out0 w0..w3, out1 w0..w3, ...); $16..$19 the four code words; $20 the
@@ -110,7 +123,8 @@ if HAVE_GLUON:
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
-            GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr):
+            GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
+            WCACHE: gl.constexpr, N_FASTEST: gl.constexpr):
         ROWS: gl.constexpr = 16 * WARPS
         BK: gl.constexpr = 64 * UNITS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -124,8 +138,13 @@ if HAVE_GLUON:
 
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
-        pid_m = pid % num_m_blocks
-        pid_n = pid // num_m_blocks
+        if N_FASTEST:  # the row tiles of one expert block run next to each other
+            n_progs = n_tiles // (WARPS * GROUPS)
+            pid_n = pid % n_progs
+            pid_m = pid // n_progs
+        else:  # one row tile of every expert block, then the next
+            pid_m = pid % num_m_blocks
+            pid_n = pid // num_m_blocks
         expert = gl.load(expert_ids_ptr + pid_m)
         if expert < 0:
             return
@@ -170,15 +189,15 @@ if HAVE_GLUON:
             if PREFETCH:
                 # two K steps per iteration, ping-pong: the codes and scales of the next step are in
                 # flight while this one is decoded (the last loads read pack()'s slack, unused)
-                qa = gl.load(c_base + c_off, eviction_policy=EVICT)
-                sa = gl.load(s_base + s_off, eviction_policy=EVICT)
+                qa = gl.load(c_base + c_off, cache_modifier=WCACHE, eviction_policy=EVICT)
+                sa = gl.load(s_base + s_off, cache_modifier=WCACHE, eviction_policy=EVICT)
                 for k0 in range(u_lo * 64, k_end, 2 * BK):
-                    qb = gl.load(c_base + UNITS * 256 + c_off, eviction_policy=EVICT)
-                    sb = gl.load(s_base + UNITS * 16 + s_off, eviction_policy=EVICT)
+                    qb = gl.load(c_base + UNITS * 256 + c_off, cache_modifier=WCACHE, eviction_policy=EVICT)
+                    sb = gl.load(s_base + UNITS * 16 + s_off, cache_modifier=WCACHE, eviction_policy=EVICT)
                     acc = _decode_mma(qa, sa, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
                                       CONSTRAINTS, WARPS, UNITS)
-                    qa = gl.load(c_base + 2 * UNITS * 256 + c_off, eviction_policy=EVICT)
-                    sa = gl.load(s_base + 2 * UNITS * 16 + s_off, eviction_policy=EVICT)
+                    qa = gl.load(c_base + 2 * UNITS * 256 + c_off, cache_modifier=WCACHE, eviction_policy=EVICT)
+                    sa = gl.load(s_base + 2 * UNITS * 16 + s_off, cache_modifier=WCACHE, eviction_policy=EVICT)
                     acc = _decode_mma(qb, sb, x_base + BK, x_off, offs_kb, k0 + BK, K, acc, a_op, EVEN_K,
                                       DECODE, CONSTRAINTS, WARPS, UNITS)
                     c_base += 2 * UNITS * 256
@@ -186,8 +205,8 @@ if HAVE_GLUON:
                     x_base += 2 * BK
             else:
                 for k0 in range(u_lo * 64, k_end, BK):
-                    q = gl.load(c_base + c_off, eviction_policy=EVICT)
-                    sw = gl.load(s_base + s_off, eviction_policy=EVICT)
+                    q = gl.load(c_base + c_off, cache_modifier=WCACHE, eviction_policy=EVICT)
+                    sw = gl.load(s_base + s_off, cache_modifier=WCACHE, eviction_policy=EVICT)
                     acc = _decode_mma(q, sw, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
                                       CONSTRAINTS, WARPS, UNITS)
                     c_base += UNITS * 256
@@ -224,11 +243,11 @@ if HAVE_GLUON:
                     # split-K reduction through a ticket per output tile: the last split to finish sums
                     # every split's partials in split order 0, 1, .. (bit-reproducible whoever is last),
                     # applies SiLU(gate) * up and resets the ticket for the next launch
-                    gl.barrier()
+                    _cta_barrier()
                     tick = tick_ptr + pid * GROUPS + grp
                     done = gl.atomic_add(tick, 1, sem="acq_rel", scope="gpu")
                     if done == SPLIT_K - 1:
-                        gl.barrier()
+                        _cta_barrier()
                         acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
                         for s in gl.static_range(SPLIT_K):
                             acc += gl.load(out_ptr + s * stride_os + rows_out + w_row[:, None],
@@ -321,8 +340,9 @@ def tickets(device) -> torch.Tensor:
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
-           prefetch: bool = False, h: torch.Tensor | None = None, evict_first: bool = False):
-    """One grouped GEMM over 8-token blocks (evict_first: weight loads hinted to leave L2 first). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
+           prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
+           n_fastest: bool = False):
+    """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
     through tickets) and stores SiLU(gate) * up into h (no separate reduction launch)."""
@@ -357,7 +377,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
-        EVICT="evict_first" if evict_first else "", num_warps=warps)
+        **_hint_consts(weight_hint), N_FASTEST=n_fastest, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +385,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
 
 def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
                     route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
-                    prefetch: bool = False, fused_reduce: bool = False):
+                    prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none"):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -376,7 +396,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=route_weighted, SPLIT_K=split,
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
-                  FUSED_REDUCE=fused_reduce, EVICT="")
+                  FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -403,7 +423,8 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
-                 tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False) -> dict:
+                 tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
+                 weight_hint: str = DEFAULT_WEIGHT_HINT) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -418,14 +439,15 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
         # the interpreter patches triton.language globally once a kernel has run in it, which breaks
         # real compilation in this process: compile in a clean one
         args = dict(gated=gated, split=split, units=units, warps=warps, arch=arch, tokens=tokens, groups=groups,
-                    prefetch=prefetch, fused_reduce=fused_reduce)
+                    prefetch=prefetch, fused_reduce=fused_reduce, weight_hint=weight_hint)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         out = subprocess.run([sys.executable, "-m", "linrnn_kernels.moe.nvfp4_mma", json.dumps(args)], env=env,
                              check=True, capture_output=True, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
-                        tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce)
+                        tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
+                        weight_hint=weight_hint)
     sass = _sass(k.asm["cubin"])
     ins = []
     for line in sass.splitlines():
