@@ -367,8 +367,8 @@ def test_fused_router_matches_composition(poison_empty, M, E, top_k, extra, bloc
     assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
 
 
-@pytest.mark.parametrize("M,E,top_k,extra,block_m", [(1, 24, 4, 1, 8), (5, 40, 3, 0, 16), (8, 16, 8, 1, 8),
-                                                     (8, 256, 8, 0, 8)])
+@pytest.mark.parametrize("M,E,top_k,extra,block_m", [(1, 24, 4, 1, 8), (2, 40, 3, 0, 16), (1, 16, 8, 1, 8),
+                                                     (1, 256, 8, 0, 8)])
 def test_route_align_logits_matches_composition(poison_empty, M, E, top_k, extra, block_m):
     """Routing + alignment from logits in one launch (tiny batches): the naive route and alignment
     exactly, weights rounded once to bf16."""
@@ -385,7 +385,7 @@ def test_route_align_logits_matches_composition(poison_empty, M, E, top_k, extra
     assert torch.equal(expert_ids[: r_n // block_m], r_expert)
     assert (expert_ids[r_n // block_m:] == -1).all()
     with pytest.raises(ValueError, match="M \\* top_k"):
-        router_fused.route_align_logits(torch.randn(9, E, device=DEV), E, 8, True, 8, torch.bfloat16)
+        router_fused.route_align_logits(torch.randn(2, E, device=DEV), E, 8, True, 8, torch.bfloat16)
 
 
 def test_fused_router_rejects_bad_inputs():

@@ -77,6 +77,16 @@ def test_route_matches_naive(T, E, k, renormalize):
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-7)  # GPU exp is ex2.approx
 
 
+def test_route_weights_in_activation_dtype():
+    """weight_dtype=bf16: the f32 weights rounded once in the kernel (no separate cast launch)."""
+    logits = torch.randn(37, 256, device=DEV) * 2
+    w32, ids32 = router.route(logits, 8, True)
+    w16, ids16 = router.route(logits, 8, True, weight_dtype=torch.bfloat16)
+    assert w16.dtype == torch.bfloat16 and torch.equal(ids16, ids32)
+    exact = DEV == "cuda"  # the CPU interpreter's f32 -> bf16 cast truncates
+    assert torch.allclose(w16.float(), w32.bfloat16().float(), rtol=0 if exact else 2 ** -7, atol=0)
+
+
 def test_route_strided_bf16_logits():
     """The layer passes a column slice of the fused router/shared-gate GEMM output, in bf16."""
     fused = torch.randn(9, 8 + 1, device=DEV).to(torch.bfloat16)

@@ -142,8 +142,8 @@ def peer_grouped_mm(logits, x, top_k, w13: torch.Tensor, w2: torch.Tensor):
 
 
 def ours(logits, x, top_k, w13, w2, path=None):
-    topw, ids = router.route(logits, top_k, True)
-    return experts.moe_experts(x, topw.to(x.dtype), ids, w13, w2, nvfp4_path=path)
+    topw, ids = router.route(logits, top_k, True, weight_dtype=x.dtype)
+    return experts.moe_experts(x, topw, ids, w13, w2, nvfp4_path=path)
 
 
 def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True):
@@ -154,8 +154,8 @@ def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True):
 
     E = w13.data.shape[0]
     if x.shape[0] * top_k > router_fused.LOGITS_MAX_PAIRS:
-        topw, ids = router.route(logits, top_k, True)
-        return experts.moe_experts(x, topw.to(x.dtype), ids, w13, w2, combine=combine)
+        topw, ids = router.route(logits, top_k, True, weight_dtype=x.dtype)
+        return experts.moe_experts(x, topw, ids, w13, w2, combine=combine)
     block_m = experts.alignment_block_m(x, top_k, w13, w2)
     topw, ids, (sid, eid, npad) = router_fused.route_align_logits(logits, E, top_k, True, block_m, x.dtype)
     return experts.moe_experts(x, topw, ids, w13, w2, alignment=experts.Alignment(sid, eid, npad, block_m),
@@ -193,9 +193,9 @@ def dequant_then_peer(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
 def ours_mma_any(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     """The MMA-fragment kernel at any batch ("nvfp4/mma" follows the engine's choice by batch, which leaves
     it above experts.MMA_MAX_MEAN_PAIRS pairs per expert): the sweep that places that threshold."""
-    topw, ids = router.route(logits, top_k, True)
+    topw, ids = router.route(logits, top_k, True, weight_dtype=x.dtype)
     a, b = with_packed(w13, w2)
-    return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed)
+    return experts.moe_experts_mma(x, topw, ids, a.packed, b.packed)
 
 
 def ours_wgmma(block_n=None, warps=None, units=None, stages=None, proxy_fence=True):
@@ -396,7 +396,7 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
 
 # moe_experts_mma options per candidate, over the default (8-token blocks, 4 warps, 1 unit per step with
 # the next step prefetched, split-K to 2 programs per SM, gate_up's split-K reduced by its last split,
-# evict-first weight loads, one row tile of every expert block after the other)
+# evict-first weight loads, CTA order by batch: experts.N_FASTEST_MAX_MEAN_PAIRS)
 MMA_CANDIDATES = {
     "default": {},
     "hint none": {"weight_hint": "none"},
@@ -405,6 +405,7 @@ MMA_CANDIDATES = {
     "separate SiLU reduce": {"fused_reduce": False},
     "16-token blocks": {"tokens": 16},
     "row tiles of a block together": {"n_fastest": True},
+    "one row tile of every block first": {"n_fastest": False},
 }
 
 
@@ -413,9 +414,9 @@ def mma_sweep(sets, inputs, k, args, cuda) -> dict:
     out = {}
     for key, opts in MMA_CANDIDATES.items():
         def call(s, x, logits):
-            topw, ids = router.route(logits, k, True)
+            topw, ids = router.route(logits, k, True, weight_dtype=x.dtype)
             a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
-            return experts.moe_experts_mma(x, topw.to(x.dtype), ids, a.packed, b.packed, **opts)
+            return experts.moe_experts_mma(x, topw, ids, a.packed, b.packed, **opts)
         try:
             calls = [graphed(lambda s=s, inp=inp: call(s, inp[0], inp[1]), cuda)[0] for s, inp in zip(sets, inputs)]
             out[key] = bench(calls, args.warmup, args.rep, cuda)

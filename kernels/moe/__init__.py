@@ -1,7 +1,7 @@
 """Sparse-MoE ops: routing and expert computation (SPEC §1.8).
 
 Triton kernels on CUDA tensors (linrnn_kernels.dispatch.use_triton), the naive reference otherwise:
-  route(router_logits [T, E], top_k, renormalize) -> (topk_weights f32 [T, k], topk_ids [T, k])
+  route(router_logits [T, E], top_k, renormalize, weight_dtype=f32) -> (topk_weights [T, k], topk_ids [T, k])
       (int32 ids from the kernel, int64 from the reference)
   moe_experts(x [T, H], topk_weights, topk_ids, w13: WeightTensor [E, 2I, H], w2: WeightTensor [E, H, I],
               alignment=None, combine=True) -> [T, H] in x.dtype (combine=False: experts.Partials, the
@@ -21,6 +21,8 @@ ones through the wgmma kernel over the same layout (nvfp4_wgmma.py, from experts
 on Hopper; "dot_scaled": W4A4 on FP4 tensor cores, sm_100+, untested) and `describe_nvfp4_gemm()`
 is the matching startup log line.
 """
+import torch
+
 from linrnn_kernels.dispatch import use_triton
 from linrnn_kernels.moe import naive
 from linrnn_kernels.moe.grouped_gemm import describe_nvfp4_gemm, nvfp4_gemm_path
@@ -35,12 +37,15 @@ def mma_path_available(device=None) -> bool:
     return nvfp4_mma.available(device)
 
 
-def route(router_logits, top_k: int, renormalize: bool):
+def route(router_logits, top_k: int, renormalize: bool, weight_dtype=None):
+    """weight_dtype: the dtype of the returned weights (default f32)."""
+    weight_dtype = weight_dtype or torch.float32
     if use_triton(router_logits):
         from linrnn_kernels.moe.router import route as route_triton
 
-        return route_triton(router_logits, top_k, renormalize)
-    return naive.route(router_logits, top_k, renormalize)
+        return route_triton(router_logits, top_k, renormalize, weight_dtype=weight_dtype)
+    w, ids = naive.route(router_logits, top_k, renormalize)
+    return w.to(weight_dtype), ids
 
 
 def route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, shared_w13=None, experts_w=None):
@@ -63,8 +68,8 @@ def route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, shar
             x, gate_w, num_experts, top_k, renormalize, block_m, cfg, shared_w13=shared)
         return logits, w, ids, experts.Alignment(sorted_ids, expert_ids, num_padded, block_m), h
     logits = fused_linear(x, gate_w)
-    w, ids = route(logits[:, :num_experts], top_k, renormalize)
-    return logits, w.to(x.dtype), ids, None, None
+    w, ids = route(logits[:, :num_experts], top_k, renormalize, weight_dtype=x.dtype)
+    return logits, w, ids, None, None
 
 
 def moe_experts(x, topk_weights, topk_ids, w13, w2, alignment=None, combine: bool = True):

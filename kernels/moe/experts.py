@@ -229,6 +229,13 @@ def alignment_block_m(x: torch.Tensor, top_k: int, w13: WeightTensor, w2: Weight
     return expert_block_m(T, top_k, E)
 
 
+# The MMA kernel's CTA order: up to this mean number of pairs per expert (and without split-K) the row
+# tiles of one expert block run next to each other, above it one row tile of every block after the other.
+# H200 layer sweep at d2c705d: 1.1 / 1.9 / 1.9 / 1.6 us faster at B = 8 / 32 / 64 / 128 (0.25-4 pairs per
+# expert), 4.6 us slower at B = 256 (8), 1.4 us slower at B = 1 (split-K 4)
+N_FASTEST_MAX_MEAN_PAIRS = 4
+
+
 def mma_tokens(num_pairs: int, num_experts: int) -> int:
     """Tokens per expert block. 16-token blocks (one decode for experts with 9-16 tokens) measured
     slower than 8 at every batch on the H200 (79 vs 56 registers; results/kernels/moe), so 8."""
@@ -241,11 +248,12 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
-                    n_fastest: bool = False):
+                    n_fastest: bool | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
-    or by a separate launch.
+    or by a separate launch. n_fastest: run the row tiles of one expert block next to each other (default:
+    for a GEMM without split-K up to N_FASTEST_MAX_MEAN_PAIRS pairs per expert).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -269,20 +277,20 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                        for p, g in ((p13, groups[0]), (p2, groups[1])))
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
-                  tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint,
-                  n_fastest=n_fastest)
+                  tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint)
+    order = [n_fastest if n_fastest is not None else (s == 1 and P <= N_FASTEST_MAX_MEAN_PAIRS * E) for s in splits]
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if s13 == 1:
-        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], **common)
+        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], n_fastest=order[0], **common)
     else:
         ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device)
         nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], h=h if fused_reduce else None,
-                         **common)
+                         n_fastest=order[0], **common)
         if not fused_reduce:
             gg.silu_mul_reduce(ws, h)
     part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
     nvfp4_mma.launch(h, p2, part, route_weights=topk_weights.reshape(-1).contiguous(), split=s2,
-                     groups=groups[1], **common)
+                     groups=groups[1], n_fastest=order[1], **common)
     if not combine:
         return Partials(part, top_k)
     gg.sum_reduce(part, out, group=top_k)

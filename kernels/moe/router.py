@@ -54,12 +54,14 @@ def _route_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, T, E,
     top_w, top_i, slot = softmax_topk(logits, tok_ok, col, TOP_K, RENORMALIZE, BLOCK_K)
     out = tok[:, None].to(tl.int64) * TOP_K + slot[None, :]
     out_mask = tok_ok[:, None] & (slot < TOP_K)[None, :]
-    tl.store(weights_ptr + out, top_w, mask=out_mask)
+    tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=out_mask)
     tl.store(ids_ptr + out, top_i, mask=out_mask)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_t: int = 1, num_warps: int = 1):
-    """Triton twin of naive.route: (topk_weights [T, k] f32, topk_ids [T, k] int32)."""
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_t: int = 1, num_warps: int = 1,
+          weight_dtype: torch.dtype = torch.float32):
+    """Triton twin of naive.route: (topk_weights [T, k] in weight_dtype (rounded once from f32; the MoE
+    layer wants the activation dtype, so no separate cast launch), topk_ids [T, k] int32)."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
     T, E = router_logits.shape
@@ -68,7 +70,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_t: i
     if E > 1024:
         raise ValueError(f"route kernel keeps a token's {E} expert logits in registers; at most 1024")
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=weight_dtype, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T == 0:
         return weights, ids

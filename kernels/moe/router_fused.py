@@ -234,9 +234,10 @@ def _route_align_kernel(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, ex
                  BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
 
 
-# route_align_logits: one warp routes and aligns; on the H200 (d444877) the 4-8-warp program took 10 / 26 /
-# 79 us at 64 / 256 / 512 pairs (vs 6 / 6.5 / 7 us for the route, cast and align launches): tiny batches only
-LOGITS_MAX_PAIRS = 64
+# route_align_logits: one warp routes and aligns; on the H200 the 4-8-warp program took 10 / 26 / 79 us at
+# 64 / 256 / 512 pairs (d444877), the one-warp one 4.5 / 22.5 us at 8 / 64 pairs (d2c705d; route + align
+# launches: 4.6 / 4.8 us): single tokens only
+LOGITS_MAX_PAIRS = 8
 
 
 def route_align_logits(logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, block_m: int,
