@@ -152,6 +152,31 @@ def test_sm90_compile_k_loop(gated, split, units, prefetch, fused, hint):
     assert st["per_weight"] <= ipw_budget(hint), st
 
 
+@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
+@pytest.mark.parametrize("splits", [(1, 1), (4, 2)])
+def test_sm90_compile_persistent(splits):
+    """The persistent two-GEMM kernel: no spills in either K loop at its register cap (8 CTAs of 4 warps per
+    SM; triton 3.6 spills nowhere, 3.9 a few registers around the split-K epilogue), shared memory only for
+    broadcasting atomics' results, integer atomics only (work counter, waits, tickets)."""
+    import re
+
+    k = nvfp4_mma.compile_persistent_offline(splits=splits)
+    sass = nvfp4_mma._sass(k.asm["cubin"])
+    regs = int(re.search(r"REG:(\d+)", nvfp4_mma._sass(k.asm["cubin"], "-res-usage")).group(1))
+    assert regs <= nvfp4_mma.PERSISTENT_MAXNREG and 8 * 128 * regs <= 65536
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"BRA (0x[0-9a-f]+)", t)]
+             if m and int(m.group(1), 16) < a]
+    k_loops = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and "HMMA" in t for a, t in ins)
+               and not any(lo < lo2 and hi2 <= hi for lo2, hi2 in loops if (lo2, hi2) != (lo, hi)
+                           and any(lo2 <= a <= hi2 and "HMMA" in t for a, t in ins))]
+    assert len(k_loops) >= 2  # gate_up's and down's
+    assert not any(lo <= a <= hi and re.search(r"\b(STL|LDL)\b", t) for lo, hi in k_loops for a, t in ins)
+    assert k.metadata.shared <= 16
+    atoms = re.findall(r"(?:ATOMG|RED)\.[A-Z0-9.]*", sass)
+    assert atoms and all(".ADD" in a and ".F" not in a.replace(".E.", ".") for a in atoms), atoms
+
+
 def test_split_k_fills_sms():
     assert nvfp4_mma.split_k(32, 8 * 16, 132) == 4  # B = 1 gate_up: 8 experts x 16 CTAs
     assert nvfp4_mma.split_k(8, 8 * 32, 132) == 2   # B = 1 down
@@ -238,28 +263,39 @@ def test_mma_per_expert_loads(nan_buffers):
                 assert err <= 1e-2, (tokens, groups, splits, fused, err)
                 outs.append(y)
             assert torch.equal(outs[0], outs[1])  # the same sums in the same order
+    for splits in ((1, 1), (2, 2), (4, 2)):  # the persistent two-GEMM launch: the same sums in the same order
+        y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits)
+        yp = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, persistent=True)
+        assert torch.equal(yp, y), splits
     assert not nvfp4_mma.tickets("cuda").any()  # every ticket back to 0
+    assert not nvfp4_mma._sync("cuda").any()  # and the persistent kernel's counters
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 64, 256])
-def test_mma_bitwise_reproducible_and_graphs(B):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_mma_bitwise_reproducible_and_graphs(B, persistent):
     E, k, H, I = 256, 8, 2048, 512
     w13, w2 = _weights(E, H, I, "cuda", seed=2)
     x = torch.randn(B, H, device="cuda").bfloat16()
     topw, ids = naive.route(torch.randn(B, E, device="cuda"), k, True)
     topw = topw.bfloat16()
-    y0 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed)
+
+    def run():
+        return experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, persistent=persistent)
+
+    y0 = run()
+    assert torch.equal(y0, experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed))  # either launch, same bits
     for _ in range(3):
-        assert torch.equal(experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed), y0)
+        assert torch.equal(run(), y0)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed)
+        run()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed)
+        y = run()
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()

@@ -400,12 +400,12 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
 MMA_CANDIDATES = {
     "default": {},
     "hint none": {"weight_hint": "none"},
-    "hint cg": {"weight_hint": "cg"},
     "split to 4/SM": {"per_sm": 4},
     "separate SiLU reduce": {"fused_reduce": False},
     "16-token blocks": {"tokens": 16},
     "row tiles of a block together": {"n_fastest": True},
     "one row tile of every block first": {"n_fastest": False},
+    "persistent (both GEMMs, one launch)": {"persistent": True},
 }
 
 

@@ -248,11 +248,12 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
-                    n_fastest: bool | None = None):
+                    n_fastest: bool | None = None, persistent: bool = False):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
-    or by a separate launch. n_fastest: run the row tiles of one expert block next to each other (default:
+    or by a separate launch. persistent: both GEMMs in one persistent launch (nvfp4_mma.launch_persistent).
+    n_fastest: run the row tiles of one expert block next to each other (default:
     for a GEMM without split-K up to N_FASTEST_MAX_MEAN_PAIRS pairs per expert).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
@@ -280,6 +281,17 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                   tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint)
     order = [n_fastest if n_fastest is not None else (s == 1 and P <= N_FASTEST_MAX_MEAN_PAIRS * E) for s in splits]
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
+    if persistent:  # both GEMMs in one launch
+        ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device) if s13 > 1 else None
+        part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
+        common.pop("num_rows"), common.pop("num_m_blocks")
+        nvfp4_mma.launch_persistent(x, p13, p2, h, ws, part, num_rows=P, num_m_blocks=blocks,
+                                    route_weights=topk_weights.reshape(-1).contiguous(), a_row_div=top_k,
+                                    splits=splits, **common)
+        if not combine:
+            return Partials(part, top_k)
+        gg.sum_reduce(part, out, group=top_k)
+        return out
     if s13 == 1:
         nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], n_fastest=order[0], **common)
     else:

@@ -125,6 +125,49 @@ if HAVE_GLUON:
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr):
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        if N_FASTEST:  # the row tiles of one expert block run next to each other
+            n_progs = n_tiles // (WARPS * GROUPS)
+            pid_n = pid % n_progs
+            pid_m = pid // n_progs
+        else:  # one row tile of every expert block, then the next
+            pid_m = pid % num_m_blocks
+            pid_n = pid // num_m_blocks
+        _gemm_tile(pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_os, stride_om,
+                   sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
+                   num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
+                   A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False)
+
+    @gluon.jit
+    def _gemm_tile(pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_os, stride_om,
+                   sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
+                   num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
+                   A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
+                   SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
+                   DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
+                   GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
+                   WCACHE: gl.constexpr, SIGNAL: gl.constexpr):
+        """Row tile pid_n (GROUPS groups of 16 * WARPS rows) x K split pid_k of expert block pid_m; SIGNAL: count
+        the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent kernel's down tiles wait on it)."""
+        expert = gl.load(expert_ids_ptr + pid_m)
+        if expert >= 0:
+            _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
+                            out_ptr, stride_os, stride_om, sorted_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
+                            num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
+                            A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
+                            TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL)
+
+    @gluon.jit
+    def _gemm_tile_body(expert, pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
+                        out_ptr, stride_os, stride_om, sorted_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
+                        num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
+                        A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
+                        SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
+                        DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
+                        GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
+                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr):
         ROWS: gl.constexpr = 16 * WARPS
         BK: gl.constexpr = 64 * UNITS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -136,19 +179,6 @@ if HAVE_GLUON:
                                              warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
         sraw: gl.constexpr = gl.SliceLayout(3, raw)
 
-        pid = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        if N_FASTEST:  # the row tiles of one expert block run next to each other
-            n_progs = n_tiles // (WARPS * GROUPS)
-            pid_n = pid % n_progs
-            pid_m = pid // n_progs
-        else:  # one row tile of every expert block, then the next
-            pid_m = pid % num_m_blocks
-            pid_n = pid // num_m_blocks
-        expert = gl.load(expert_ids_ptr + pid_m)
-        if expert < 0:
-            return
-        expert = expert.to(gl.int64)
 
         # activations (B operand [BK, 8]): rows of this 8-token block. Padding slots read row 0:
         # their accumulator columns are never stored, so no load mask (and no zero-fill) is needed
@@ -236,6 +266,8 @@ if HAVE_GLUON:
             rows_out = ids.to(gl.int64)[None, :] * stride_om
             if GATED and SPLIT_K == 1:
                 _silu_store(acc, out_ptr, stride_om, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS, TOK)
+                if SIGNAL:
+                    _signal(done_ptr + pid_m)
             else:
                 gl.store(out_ptr + pid_k * stride_os + rows_out + w_row[:, None],
                          acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
@@ -244,7 +276,7 @@ if HAVE_GLUON:
                     # every split's partials in split order 0, 1, .. (bit-reproducible whoever is last),
                     # applies SiLU(gate) * up and resets the ticket for the next launch
                     _cta_barrier()
-                    tick = tick_ptr + pid * GROUPS + grp
+                    tick = tick_ptr + (pid_m * (n_tiles // (WARPS * GROUPS)) + pid_n) * GROUPS + grp
                     done = gl.atomic_add(tick, 1, sem="acq_rel", scope="gpu")
                     if done == SPLIT_K - 1:
                         _cta_barrier()
@@ -254,6 +286,80 @@ if HAVE_GLUON:
                                            mask=row_ok[:, None] & tok_ok[None, :], other=0.0, cache_modifier=".cg")
                         gl.store(tick, 0)
                         _silu_store(acc, h_ptr, stride_h, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS, TOK)
+                        if SIGNAL:
+                            _signal(done_ptr + pid_m)
+
+
+    @gluon.jit
+    def _moe_persistent_kernel(
+            x_ptr, stride_x, c13_ptr, s13_ptr, rs13_ptr, ws_ptr, stride_ws, stride_wsm, h_ptr, stride_h,
+            c2_ptr, s2_ptr, rs2_ptr, part_ptr, stride_ps, stride_pm, route_w_ptr,
+            sorted_ids_ptr, expert_ids_ptr, tick_ptr, sync_ptr, num_rows, num_m_blocks,
+            N13, K13, n_tiles13, k_units13, stride_ce13, stride_se13, stride_rse13,
+            N2, K2, n_tiles2, k_units2, stride_ce2, stride_se2, stride_rse2,
+            A_ROW_DIV: gl.constexpr, SPLIT13: gl.constexpr, SPLIT2: gl.constexpr, UNITS13: gl.constexpr,
+            UNITS2: gl.constexpr, WARPS: gl.constexpr, EVEN_K13: gl.constexpr, EVEN_K2: gl.constexpr,
+            DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
+            PREFETCH13: gl.constexpr, PREFETCH2: gl.constexpr, EVICT: gl.constexpr, WCACHE: gl.constexpr):
+        """Both GEMMs of the routed experts in one persistent launch. Work items, handed out in order by an
+        atomic counter (sync_ptr[0]): every gate_up (expert block, row tile, K split), then every down one.
+        A gate_up tile counts its finished h rows in sync_ptr[2 + block]; a down item of that block waits
+        for all of them. Deadlock-free on any grid: a down item is only taken once every gate_up item has
+        been taken by a running CTA, and gate_up items never wait. Which CTA computes an item does not
+        change its result: bitwise reproducible. The last CTA to leave resets the counters."""
+        n_progs13 = n_tiles13 // WARPS
+        n_progs2 = n_tiles2 // WARPS
+        items13 = num_m_blocks * n_progs13 * SPLIT13
+        items = items13 + num_m_blocks * n_progs2 * SPLIT2
+        done_ptr = sync_ptr + 2
+        item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        while item < items:
+            if item < items13:  # (block, row tile, split), the splits of a tile next to each other
+                pid_m = item // (n_progs13 * SPLIT13)
+                r = item % (n_progs13 * SPLIT13)
+                if SPLIT13 == 1:
+                    _gemm_tile(pid_m, r, 0, x_ptr, stride_x, c13_ptr, s13_ptr, rs13_ptr, h_ptr, 0, stride_h,
+                               sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
+                               num_rows, N13, K13, n_tiles13, k_units13, stride_ce13, stride_se13, stride_rse13,
+                               A_ROW_DIV, True, False, 1, UNITS13, WARPS, EVEN_K13, DECODE, CONSTRAINTS, GAIN,
+                               TOK, 1, PREFETCH13, False, EVICT, WCACHE, True)
+                else:
+                    _gemm_tile(pid_m, r // SPLIT13, r % SPLIT13, x_ptr, stride_x, c13_ptr, s13_ptr, rs13_ptr,
+                               ws_ptr, stride_ws, stride_wsm,
+                               sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
+                               num_rows, N13, K13, n_tiles13, k_units13, stride_ce13, stride_se13, stride_rse13,
+                               A_ROW_DIV, True, False, SPLIT13, UNITS13, WARPS, EVEN_K13, DECODE, CONSTRAINTS, GAIN,
+                               TOK, 1, PREFETCH13, True, EVICT, WCACHE, True)
+            else:
+                i2 = item - items13
+                pid_m = i2 // (n_progs2 * SPLIT2)
+                r = i2 % (n_progs2 * SPLIT2)
+                target = gl.where(gl.load(expert_ids_ptr + pid_m) >= 0, n_progs13, 0)
+                ready = gl.atomic_add(done_ptr + pid_m, 0, sem="acquire", scope="gpu")
+                while ready < target:
+                    ready = gl.atomic_add(done_ptr + pid_m, 0, sem="acquire", scope="gpu")
+                _gemm_tile(pid_m, r // SPLIT2, r % SPLIT2, h_ptr, stride_h, c2_ptr, s2_ptr, rs2_ptr,
+                           part_ptr, stride_ps, stride_pm,
+                           sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
+                           num_rows, N2, K2, n_tiles2, k_units2, stride_ce2, stride_se2, stride_rse2,
+                           1, False, True, SPLIT2, UNITS2, WARPS, EVEN_K2, DECODE, CONSTRAINTS, GAIN,
+                           TOK, 1, PREFETCH2, False, EVICT, WCACHE, False)
+            item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        # the last CTA out resets the counters for the next launch (nobody reads them any more)
+        left = gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if left == gl.num_programs(0) - 1:
+            zl: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+            offs = gl.arange(0, 32 * WARPS, layout=zl)
+            for b0 in range(0, num_m_blocks, 32 * WARPS):
+                gl.store(done_ptr + b0 + offs, gl.zeros([32 * WARPS], gl.int32, layout=zl),
+                         mask=b0 + offs < num_m_blocks)
+            gl.store(sync_ptr + offs, gl.zeros([32 * WARPS], gl.int32, layout=zl), mask=offs < 2)
+
+    @gluon.jit
+    def _signal(counter):
+        """Publish this CTA's stores (CTA barrier, then a release increment at GPU scope by one thread)."""
+        _cta_barrier()
+        gl.atomic_add(counter, 1, sem="release", scope="gpu")
 
     @gluon.jit
     def _silu_store(acc, out_ptr, stride_om, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS: gl.constexpr,
@@ -380,6 +486,57 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, num_warps=warps)
 
 
+# the persistent kernel holds both GEMMs' state (74 registers uncapped, 6 CTAs per SM); capped at 64 it
+# compiles without spills (sm_90, triton 3.6 / 3.9) and 8 CTAs of 4 warps fit an SM
+PERSISTENT_MAXNREG = 64
+
+
+def _sync(device) -> torch.Tensor:
+    """The persistent kernel's counters (work, exits, one per expert block), zero between launches."""
+    device = torch.device(device)
+    key = ("sync", device)
+    t = _tickets.get(key)
+    if t is None:
+        t = _tickets[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return t
+
+
+def launch_persistent(x: torch.Tensor, p13: lay.PackedNvfp4, p2: lay.PackedNvfp4, h: torch.Tensor, ws, part: torch.Tensor,
+                      *, num_rows: int, num_m_blocks: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                      route_weights: torch.Tensor, a_row_div: int, splits: tuple[int, int], warps: int = 4,
+                      units: int | None = None, tokens: int = 8, prefetch: bool = False,
+                      weight_hint: str = DEFAULT_WEIGHT_HINT, ctas_per_sm: int = 8):
+    """gate_up (SiLU(gate) * up into h; split-K partials in ws [s13, rows, 2I], reduced by the last split) and
+    down (f32 partials [s2, rows, N] into part) in one persistent launch of ctas_per_sm CTAs per SM."""
+    s13, s2 = splits
+    if p13.codes.shape[1] % warps or p2.codes.shape[1] % warps:
+        raise ValueError(f"row tiles {p13.codes.shape[1]}, {p2.codes.shape[1]} not divisible by {warps} warps")
+    if num_m_blocks * (p13.codes.shape[1] // warps) > TICKETS - 2 or (s13 > 1) != (ws is not None):
+        raise ValueError("persistent MoE launch: too many expert blocks, or split-K partials without a buffer")
+    args, consts = [], {}
+    for p, s, tag in ((p13, s13, "13"), (p2, s2, "2")):
+        U = p.codes.shape[2]
+        u = units_per_step(U, s, units or 4)
+        if U % (u * s):
+            raise ValueError(f"k units {U} not divisible by split {s} x units {u}")
+        pf = prefetch and (U // s // u) % 2 == 0 and lay.has_slack(p.codes) and lay.has_slack(p.scales)
+        consts.update({f"UNITS{tag}": u, f"PREFETCH{tag}": pf, f"EVEN_K{tag}": p.k % 64 == 0 and p.k == U * 64})
+    c13, sc13 = p13.codes.view(torch.int16), p13.scales.view(torch.int32)
+    c2, sc2 = p2.codes.view(torch.int16), p2.scales.view(torch.int32)
+    dummy = part
+    grid = (num_sms(x.device) * ctas_per_sm,)
+    _moe_persistent_kernel[grid](
+        x, x.stride(0), c13, sc13, p13.row_scale, ws if ws is not None else dummy,
+        ws.stride(0) if ws is not None else 0, ws.stride(1) if ws is not None else 0, h, h.stride(0),
+        c2, sc2, p2.row_scale, part, part.stride(0), part.stride(1), route_weights,
+        sorted_ids, expert_ids, tickets(x.device), _sync(x.device), num_rows, num_m_blocks,
+        p13.n, p13.k, p13.codes.shape[1], p13.codes.shape[2], c13.stride(0), sc13.stride(0), p13.row_scale.stride(0),
+        p2.n, p2.k, p2.codes.shape[1], p2.codes.shape[2], c2.stride(0), sc2.stride(0), p2.row_scale.stride(0),
+        A_ROW_DIV=a_row_div, SPLIT13=s13, SPLIT2=s2, WARPS=warps, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
+        GAIN=lay.DECODE_GAIN, TOK=tokens, **_hint_consts(weight_hint), **consts, num_warps=warps,
+        maxnreg=PERSISTENT_MAXNREG)
+
+
 # ---------------------------------------------------------------------------------------------
 # Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
 
@@ -406,6 +563,27 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = gluon._runtime.GluonASTSource(fn=_nvfp4_mma_kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def compile_persistent_offline(splits: tuple[int, int] = (1, 1), units: int = DEFAULT_UNITS, warps: int = 4,
+                               prefetch: bool = DEFAULT_PREFETCH, arch: int = 90, weight_hint: str = DEFAULT_WEIGHT_HINT):
+    """triton.compile the persistent two-GEMM kernel for sm_<arch> (no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    ptrs = {"x_ptr": "*bf16", "c13_ptr": "*i16", "s13_ptr": "*i32", "rs13_ptr": "*fp32", "ws_ptr": "*fp32",
+            "h_ptr": "*bf16", "c2_ptr": "*i16", "s2_ptr": "*i32", "rs2_ptr": "*fp32", "part_ptr": "*fp32",
+            "route_w_ptr": "*bf16", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "tick_ptr": "*i32",
+            "sync_ptr": "*i32"}
+    consts = dict(A_ROW_DIV=8, SPLIT13=splits[0], SPLIT2=splits[1], UNITS13=units, UNITS2=units, WARPS=warps,
+                  EVEN_K13=True, EVEN_K2=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN,
+                  TOK=8, PREFETCH13=prefetch, PREFETCH2=prefetch, **_hint_consts(weight_hint))
+    names = list(_moe_persistent_kernel.arg_names)
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else ("i64" if n.startswith(("stride_ce", "stride_se", "stride_rse"))
+                                                           else "i32")) for n in names}
+    div16 = [n for n in names if n in ptrs or n.startswith(("stride", "N", "K"))]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = gluon._runtime.GluonASTSource(fn=_moe_persistent_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps, "maxnreg": PERSISTENT_MAXNREG})
 
 
 def _sass(cubin: bytes, what: str = "-sass") -> str:
