@@ -296,11 +296,12 @@ def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict,
     if ipw:
         lines += ["", "nvfp4/mma K loop, SASS instructions per weight (sm_90 compile, per GEMM and split): "
                   + "; ".join(f"{k}: {v:.2f}" for k, v in ipw.items())]
-    pct_of = [v for v in ("nvfp4/mma", "nvfp4/asm", "bf16/ours") if v in variants]
+    pct_of = [v for v in ("nvfp4/mma", "nvfp4/mma-parts", "nvfp4/asm", "bf16/ours") if v in variants]
+    gemm_pct = any(isinstance(r.get("profile", {}).get("nvfp4/mma"), dict) for r in rows)
     lines += ["", "| B | experts hit | " + " | ".join(f"{v} us" for v in variants)
               + "".join(f" | {v} % copy" for v in pct_of)
-              + " | mma x vs asm | mma x vs bf16/ours |",
-              "|---:|---:|" + "---:|" * (len(variants) + len(pct_of)) + "---:|---:|"]
+              + " | mma x vs asm | mma x vs bf16/ours |" + (" nvfp4/mma routed GEMMs us (profile) | % copy |" if gemm_pct else ""),
+              "|---:|---:|" + "---:|" * (len(variants) + len(pct_of)) + "---:|---:|" + ("---:|---:|" if gemm_pct else "")]
     for r in rows:
         cells = []
         for v in variants:
@@ -313,6 +314,10 @@ def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict,
         for p in ("nvfp4/asm", "bf16/ours"):
             other = r["us"].get(p)
             cells.append(f"{other / main:.2f}x" if isinstance(main, float) and isinstance(other, float) else "-")
+        if gemm_pct:  # the expert GEMM kernels alone: expert bytes over their device time
+            prof = r.get("profile", {}).get("nvfp4/mma")
+            t = sum(v for k, v in prof.items() if "nvfp4_mma" in k or "moe_persistent" in k) if isinstance(prof, dict) else 0
+            cells += [f"{t:.1f}", f"{100 * r['expert_bytes'] / t / 1e3 / copy_gbs:.0f} %"] if t else ["-", "-"]
         lines.append(f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells) + " |")
     notes = sorted({n for r in rows for n in r.get("notes", [])})
     if notes:
@@ -480,6 +485,8 @@ def run(args) -> int:
         ids0 = naive.route(inputs[0][1], k, True)[1]
         hit = int(ids0.unique().numel())
         row = {"B": B, "E": E, "k": k, "H": H, "I": I, "experts_hit": hit, "us": {}, "gbs": {}, "err": {},
+               "expert_bytes": hit * expert_bytes(sets[0][("nvfp4", "w13")], sets[0][("nvfp4", "w2")])
+               if ("nvfp4", "w13") in sets[0] else 0,
                "timing": "eager" if args.no_graph else "CUDA-graph replay"}
         refs = {}  # one reference per (set, format, activations), shared by the variants
         for v in variants:
