@@ -11,9 +11,16 @@ decodes them in registers with inline PTX (11 integer ops per 8 codes + one PRMT
 decoded tile into the operand layout is asserted trivial at compile time (no shared memory).
 Activations load as the B fragment directly (a lane's 16 bytes are 8 consecutive k of one token).
 
-Split-K: grid axis 1 cuts K into SPLIT_K ranges; each writes f32 partials that
-grouped_gemm.silu_mul_reduce / sum_reduce add in a fixed order. No atomics: bitwise reproducible,
-CUDA graphs on or off. Gated (w13) tiles hold 8 gate + 8 up rows so SiLU * up needs no exchange.
+Split-K: grid axis 1 cuts K into SPLIT_K ranges; each writes f32 partials. For gate_up the last split
+of each tile to finish (an integer ticket per tile) adds them in split order and stores SiLU * up
+(FUSED_REDUCE; else grouped_gemm.silu_mul_reduce), for down grouped_gemm.sum_reduce (or the engine's
+shared-expert down projection) adds them with the top-k combine. No float atomics: bitwise
+reproducible, CUDA graphs on or off. Gated (w13) tiles hold 8 gate + 8 up rows so SiLU * up needs no
+exchange. Weight loads carry an evict-first L2 hint (WEIGHT_HINTS).
+
+`launch_persistent` runs both GEMMs in one persistent launch (work items from an integer counter, down
+tiles waiting on their block's gate_up tiles); measured slower than the two launches on the H200 at
+most batch sizes (results/kernels/moe/MMA.md), so not the default.
 
 Gluon kernels do not run under TRITON_INTERPRET; `available()` says whether this path can run.
 """
