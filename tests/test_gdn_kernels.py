@@ -178,12 +178,15 @@ def test_decode_bf16_activations_and_wide_tiles(poison_empty):
 
 
 @pytest.mark.parametrize("kind", ["0.5", "bf16"])
-def test_decode_bf16_partition_wide_tiles(poison_empty, kind):
-    """bf16 heads on [Dk, 2 bv] tiles (the even programs of a head), f32 heads on [Dk, bv]."""
+@pytest.mark.parametrize("bf16_vec,split", [(4, False), (8, True)])
+def test_decode_bf16_partition_two_slices(poison_empty, kind, bf16_vec, split):
+    """bf16 programs on two [Dk, bv] slices (both loaded first), f32 programs on one, in one launch or one
+    per partition; the partition-major grid finds each program's natural head through the (here
+    shuffled) head map."""
     run_decode(SMALL, 3, kind, torch.float32, KERNEL_DEVICE,
-               config=decode_k.DecodeConfig(8, 2, "evict_first", "evict_first", None, True))
+               config=decode_k.DecodeConfig(8, 2, "evict_first", "evict_first", None, 2, bf16_vec, split))
     run_decode(SMALL, 2, kind, torch.bfloat16, KERNEL_DEVICE,
-               config=decode_k.DecodeConfig(16, 2, "", "", None, True))
+               config=decode_k.DecodeConfig(16, 2, "", "", None, 2, bf16_vec, split))
 
 
 def decode_rows_are_independent(shape, device):
