@@ -24,11 +24,14 @@ EF = "evict_first"
 
 
 def correctness(variants) -> list[str]:
+    import importlib
+
     from linrnn_kernels.gdn import decode, decode_main, naive
 
     out = []
     for f in (0.5, 0.0):
-        for _, cfg in variants:
+        for _, (mod, cfg) in variants:
+            fn = importlib.import_module(f"linrnn_kernels.gdn.{mod}").gdn_decode
             for B in (64, 8):
                 mask = head_mask(f)
                 q, k, v, a, b, A_log, dt_bias = make_step_inputs(B)
@@ -39,12 +42,12 @@ def correctness(variants) -> list[str]:
                 bf[dead] = float("nan")
                 rf, rb = f32.clone(), bf.clone()
                 o_ref = naive.gdn_decode(q, k, v, a, b, A_log, dt_bias, rf, rb, isb, loc, idx)
-                o = decode.gdn_decode(q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx, config=cfg)
+                o = fn(q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx, config=cfg)
                 live = idx.long()
                 e = (rel(o, o_ref), rel(f32[live], rf[live]), rel(bf[live], rb[live]))
                 untouched = bool(torch.isnan(f32[dead]).all() and torch.isnan(bf[dead].float()).all())
                 ok = e[0] <= 1e-2 and e[1] <= 1e-5 and e[2] <= 1e-2 and untouched
-                out.append(f"{'ok' if ok else 'FAIL'} f={f} B={B} {cfg}: rel o/f32/bf16 {e[0]:.1e}/{e[1]:.1e}/{e[2]:.1e}"
+                out.append(f"{'ok' if ok else 'FAIL'} f={f} B={B} {mod} {cfg}: rel o/f32/bf16 {e[0]:.1e}/{e[1]:.1e}/{e[2]:.1e}"
                            f" dead slots untouched={untouched}")
     for B in (1, 8, 64, 256):  # tau = inf: the new kernel's all-f32 bits equal the old kernel's
         mask = head_mask(1.0)
@@ -62,19 +65,20 @@ def correctness(variants) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--batches", default="32,64,128,256")
+    p.add_argument("--batches", default="128,64,256,32")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default="scratch/bf16_sweep")
     args = p.parse_args()
     old = ("decode_main", (64, 4, EF, EF))
     new = {
-        "one launch, 1 slice": (64, 4, EF, EF, None, 1, 4, False),
-        "split, 1 slice": (64, 4, EF, EF, None, 1, 4, True),
-        "split, 1 slice, bf16 maxnreg 80": (64, 4, EF, EF, None, 1, 4, True, 80),
-        "split, 2 slices vec8": (64, 4, EF, EF, None, 2, 8, True),
-        "split, 2 slices vec4": (64, 4, EF, EF, None, 2, 4, True),
-        "split, 2 slices vec8, bf16 maxnreg 128": (64, 4, EF, EF, None, 2, 8, True, 128),
-        "one launch, 2 slices vec8": (64, 4, EF, EF, None, 2, 8, False),
+        "one launch, 1 slice": ("decode", (64, 4, EF, EF, None, 1, 4, False)),
+        "split, 1 slice": ("decode", (64, 4, EF, EF, None, 1, 4, True)),
+        "split, 1 slice, bf16 maxnreg 80": ("decode", (64, 4, EF, EF, None, 1, 4, True, 80)),
+        "split, 2 slices vec8": ("decode", (64, 4, EF, EF, None, 2, 8, True)),
+        "split, 2 slices vec8, bf16 maxnreg 128": ("decode", (64, 4, EF, EF, None, 2, 8, True, 128)),
+        "split, 2 slices vec4 1 reduction": ("decode_x", (64, 4, EF, EF, None, 2, 4, True)),
+        "split, 2 slices vec4 1 reduction, maxnreg 128": ("decode_x", (64, 4, EF, EF, None, 2, 4, True, 128)),
+        "one launch, 2 slices vec8": ("decode", (64, 4, EF, EF, None, 2, 8, False)),
     }
     res = {"env": env_info(), "rows": []}
     res["checks"] = correctness([(n, c) for n, c in new.items()])
@@ -84,10 +88,10 @@ def main() -> None:
     for B in [int(x) for x in args.batches.split(",")]:
         for f in (0.0, 0.5, 1.0):
             if f == 1.0:
-                vs = [("old", old), ("new", ("decode", new["one launch, 1 slice"]))]
+                vs = [("old", old), ("new", new["one launch, 1 slice"])]
             else:
                 names = [n for n in new if f == 0.5 or not n.startswith("one launch, 2") and "split" in n]
-                vs = [("old", old)] + [(n, ("decode", new[n])) for n in names]
+                vs = [("old", old)] + [(n, new[n]) for n in names]
             nbytes = decode_bytes(B, head_mask(f))
             row = {"B": B, "f32_fraction": f, "bytes": nbytes, "copy_us": [], "us": {n: [] for n, _ in vs}}
             for _ in range(2):
@@ -98,11 +102,11 @@ def main() -> None:
             ideal = nbytes / (copy * 1e3)
             print(f"\nB={B} f32 {f:.0%}: ideal {ideal:.1f} us; copy {row['copy_us']}", flush=True)
             for n, ts in row["us"].items():
-                print(f"  {n:42s} {' / '.join(f'{t:6.1f}' for t in ts)} us  {100 * ideal / min(ts):5.1f} % copy",
+                print(f"  {n:48s} {' / '.join(f'{t:6.1f}' for t in ts)} us  {100 * ideal / min(ts):5.1f} % copy",
                       flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gdn_bf16_sweep.json"), "w") as fh:
-        json.dump(res, fh, indent=1, default=str)
+            os.makedirs(args.out, exist_ok=True)  # after every row: a timeout keeps what was measured
+            with open(os.path.join(args.out, "gdn_bf16_sweep.json"), "w") as fh:
+                json.dump(res, fh, indent=1, default=str)
 
 
 if __name__ == "__main__":
