@@ -68,6 +68,7 @@ def main() -> None:
     p.add_argument("--batches", default="128,64,256,32")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default="scratch/bf16_sweep")
+    p.add_argument("--round", type=int, default=1, help="1: slices / split launches; 2: tile shapes and orders")
     args = p.parse_args()
     old = ("decode_main", (64, 4, EF, EF))
     new = {
@@ -80,7 +81,19 @@ def main() -> None:
         "split, 2 slices vec4 1 reduction, maxnreg 128": ("decode_x", (64, 4, EF, EF, None, 2, 4, True, 128)),
         "one launch, 2 slices vec8": ("decode", (64, 4, EF, EF, None, 2, 8, False)),
     }
-    res = {"env": env_info(), "rows": []}
+    if args.round == 2:
+        new = {
+            "one launch, 1 slice": ("decode", (64, 4, EF, EF, None, 1, 4, False)),
+            "1 slice, no re-widen": ("decode_noremat", (64, 4, EF, EF, None, 1, 4, False)),
+            "1 slice vec8": ("decode", (64, 4, EF, EF, None, 1, 8, False)),
+            "1 slice vec8, no re-widen": ("decode_noremat", (64, 4, EF, EF, None, 1, 8, False)),
+            "split [Dk,128] 8 warps vec8": ("decode", (128, 8, EF, EF, None, 1, 8, True)),
+            "split [Dk,32] 2 warps": ("decode", (32, 2, EF, EF, None, 1, 4, True)),
+            "split, column block slowest": ("decode_ivslow", (64, 4, EF, EF, None, 1, 4, True)),
+            "split, 2 slices vec4 1 reduction": ("decode_x", (64, 4, EF, EF, None, 2, 4, True)),
+            "split, 1 slice, no hints": ("decode", (64, 4, "", "", None, 1, 4, True)),
+        }
+    res = {"env": env_info(), "rows": [], "round": args.round}
     res["checks"] = correctness([(n, c) for n, c in new.items()])
     print("\n".join(res["checks"]), flush=True)
     res["copy_gbs"] = copy = copy_bandwidth_gbs("cuda")
