@@ -103,7 +103,7 @@ def main() -> None:
             if f == 1.0:
                 vs = [("old", old), ("new", new["one launch, 1 slice"])]
             else:
-                names = [n for n in new if f == 0.5 or not n.startswith("one launch, 2") and "split" in n]
+                names = [n for n in new if f == 0.5 or args.round == 2 or not n.startswith("one launch, 2") and "split" in n]
                 vs = [("old", old)] + [(n, new[n]) for n in names]
             nbytes = decode_bytes(B, head_mask(f))
             row = {"B": B, "f32_fraction": f, "bytes": nbytes, "copy_us": [], "us": {n: [] for n, _ in vs}}

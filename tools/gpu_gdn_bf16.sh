@@ -17,7 +17,7 @@ if has ncu; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   echo "ncu: ${NCU:-not found}"
   if [ -n "$NCU" ]; then
-    timeout 70 $NCU -k regex:_gdn_decode_kernel --launch-skip-before-match 0 \
+    timeout 70 $NCU -k regex:_gdn_decode_kernel -c 10 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
       --section LaunchStats python3 tools/gdn_ncu_probe.py > $R/ncu.txt 2>&1
     grep -E "decode|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|L2 Hit|Mem Busy|Max Bandwidth|Warp Cycles Per Issued|Issued Ipc|Theoretical Occ|Block Limit" $R/ncu.txt | head -150
