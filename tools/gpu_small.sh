@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Small-batch decode (issue #15), one device call of ~9 minutes (repo root as cwd). Stages (default all):
 #   tests    the kernel test files of this work compiled on CUDA (skinny GEMM, fused router, conv / norm / RoPE+KV
-#            epilogues, the model-level decode step vs the reference ops, wide bf16 GDN tiles), gpu-marked full shapes
+#            epilogues, the model-level decode step vs the reference ops), gpu-marked full shapes
 #   gemv     the `gemv` registry entry: its GPU tests, then skinny GEMM vs cuBLAS over the 35B-A3B dense shapes at
 #            M in 1,2,4,8,16,32 -> gemv.md + skinny_table.json (per-shape max_m: where skinny beats cuBLAS)
 #   batched  bench batched, 35B-A3B NVFP4 dummy, f32 state, npl 1 and 8 (+ profile at npl 1 and 8 with launches/step):
 #            fused kernels with the measured table, then LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 LINRNN_FUSED_ROPE_KV=0 (the old
 #            kernels) in the same call, then the fused kernels with LINRNN_PDL=1
-#   gdn      the gdn-decode registry entry (all-f32 / all-bf16 / hybrid % of copy), then again with
-#            LINRNN_GDN_BF16_WIDE=1 (bf16 heads on [Dk, 2 bv] tiles)
+#   gdn      the gdn-decode registry entry (all-f32 / all-bf16 / hybrid % of copy)
 # Prints one short table at the end; everything lands in $OUT/small.tgz.
 #   bash tools/gpu_small.sh [tests,gemv,batched,gdn]
 . tools/device_env.sh >/dev/null
@@ -18,8 +17,7 @@ R=/tmp/small
 mkdir -p $R $FINAL
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 if has tests; then
-  timeout 200 python3 -m pytest tests/test_gemv_kernels.py tests/test_fused_decode.py tests/test_norm_kernels.py \
-    "tests/test_gdn_kernels.py::test_decode_bf16_partition_wide_tiles" -q -p no:cacheprovider -rfE 2>&1 \
+  timeout 200 python3 -m pytest tests/test_gemv_kernels.py tests/test_fused_decode.py tests/test_norm_kernels.py -q -p no:cacheprovider -rfE 2>&1 \
     | tee $R/tests.log | tail -8
 fi
 if has gemv; then
@@ -39,8 +37,6 @@ fi
 if has gdn; then
   timeout 130 python3 -m linrnn_serve bench kernels --only gdn-decode --timeout-factor 2 --results-dir $R/k 2>&1 \
     | grep -vE "Warning|warn" | tail -12
-  LINRNN_GDN_BF16_WIDE=1 timeout 110 python3 -m linrnn_bench.kernels.gdn --out $R/gdn_wide --prefill "" \
-    --batches 64,128,256 --no-peer 2>&1 | grep -vE "Warning|warn" | tail -12
 fi
 python3 - "$R" <<'PY'
 import glob, json, os, sys
