@@ -14,13 +14,15 @@ SM streams, up to [Dk, 64] at large batch (decode_config). Both partitions use 4
 its store, and the q/k norms are applied after the reductions, so all sums over Dk take two cross-warp
 rounds (issue #4: 80 -> 85 % of copy bandwidth at B = 64, benchmarks/results/kernels/gdn-decode/).
 
-Program order: with one partition (all f32 at tau = inf, or all bf16) (row, natural head, Dv tile), the
-tile's head found through the head map. With both partitions the grid is partition-major: all f32 tiles
-first, then all bf16 tiles, each program finding its natural head (for q/k/v/gates) by inverting the head
-map; the tile math is the same code either way, so every row's bits are the same in both orders. At 50 %
-f32 heads this runs at 84 % of copy bandwidth instead of 81.5 % (B = 128, H200,
-benchmarks/results/kernels/gdn-decode/bf16_round/, which also records why the bf16 partition stays at
-~77 % of copy and the variants tried to lift it).
+Program order: with one partition (all f32 at tau = inf, or all bf16) the programs run (row, natural
+head, Dv tile) and find the tile through the head map (compiled, this path is the kernel before issue #15
+instruction for instruction). With both partitions the grid is partition-major: all f32 tiles first,
+then all bf16 tiles, each program finding its natural head (for q/k/v/gates) by inverting the head map;
+the tile math is the same code in both orders, so every row's bits are too. Measured on an H200 at 50 %
+f32 heads, B = 128: 114.4 instead of 118.1 us per layer call (84.2 vs 81.5 % of copy bandwidth). The Dv
+tiles of a head stay adjacent in the order: reading the two halves of each state row far apart in time
+costs 6-8 points of bandwidth (DRAM pages reopened). The bf16 partition itself stays at ~77 % of copy
+(all-f32: ~90 %); benchmarks/results/kernels/gdn-decode/bf16_round/ records the variants tried against it.
 """
 from __future__ import annotations
 
@@ -102,15 +104,15 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, v
 
 
 @triton.jit
-def _natural_head(head_is_bf16, head_local, j, is_bf16, HV: tl.constexpr):
-    """The natural head stored at index j of the bf16 (is_bf16 != 0) or f32 partition: the inverse of the
-    head map, from two [HV] loads and one in-warp reduction."""
+def _natural_head(head_is_bf16, head_local, j, IS_BF16: tl.constexpr, HV: tl.constexpr):
+    """The natural head stored at index j of the bf16 (IS_BF16) or f32 partition: the inverse of the head
+    map, from two [HV] loads and one in-warp reduction."""
     hh = tl.arange(0, triton.next_power_of_2(HV))
     valid = hh < HV
     isb = tl.load(head_is_bf16 + hh, mask=valid, other=0)
     loc = tl.load(head_local + hh, mask=valid, other=-1)
-    hit = valid & ((isb != 0) == (is_bf16 != 0)) & (loc == j)
-    return tl.sum(tl.where(hit, hh, 0), 0)
+    in_part = (isb != 0) if IS_BF16 else (isb == 0)
+    return tl.sum(tl.where(valid & in_part & (loc == j), hh, 0), 0)
 
 
 @triton.jit
@@ -127,38 +129,51 @@ def _gdn_decode_kernel(
     NV: tl.constexpr = DV // BV
     pid = tl.program_id(0)
     if PARTITION_MAJOR:
-        # B x n_f32_heads x NV f32 tiles, then B x n_bf16_heads x NV bf16 tiles; Dv tiles fastest, so the
-        # two halves of a head's rows are read together (the order that keeps DRAM pages open)
-        is_bf16 = (pid >= n_f32_programs).to(tl.int32)
-        p = pid - is_bf16 * n_f32_programs
-        n_heads = tl.where(is_bf16 != 0, n_bf16_heads, n_f32_heads)
-        i_v = p % NV
-        j = (p // NV) % n_heads
-        i_b = (p // NV // n_heads).to(tl.int64)
-        # the state tile's address needs only the slot; the natural head (for q/k/v/gates) comes in parallel
-        slot = tl.load(state_indices + i_b).to(tl.int64)
-        base = slot * tl.where(is_bf16 != 0, stride_bf16_slot, stride_f32_slot) + j.to(tl.int64) * (DK * DV)
-        i_h = _natural_head(head_is_bf16, head_local, j, is_bf16, HV)
+        # B x n_f32_heads x NV f32 tiles, then B x n_bf16_heads x NV bf16 tiles (Dv tiles fastest); the tile's
+        # address needs only the slot, the natural head (for q/k/v/gates) comes from the head map in parallel
+        if pid < n_f32_programs:
+            i_v = pid % NV
+            r = pid // NV
+            j = r % n_f32_heads
+            i_b = (r // n_f32_heads).to(tl.int64)
+            base = tl.load(state_indices + i_b).to(tl.int64) * stride_f32_slot + j.to(tl.int64) * (DK * DV)
+            i_h = _natural_head(head_is_bf16, head_local, j, False, HV)
+            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_h // GROUP, i_v * BV,
+                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
+                         STORE_CACHE)
+        else:
+            p = pid - n_f32_programs
+            i_v = p % NV
+            r = p // NV
+            j = r % n_bf16_heads
+            i_b = (r // n_bf16_heads).to(tl.int64)
+            base = tl.load(state_indices + i_b).to(tl.int64) * stride_bf16_slot + j.to(tl.int64) * (DK * DV)
+            i_h = _natural_head(head_is_bf16, head_local, j, True, HV)
+            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_h // GROUP, i_v * BV,
+                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
+                         STORE_CACHE)
     else:
         i_v = pid % NV
         i_bh = pid // NV
         i_b = (i_bh // HV).to(tl.int64)
         i_h = i_bh % HV
+        i_hk = i_h // GROUP  # consecutive value heads share a key head (SPEC §1.5.6)
         # the state tile's address first: two dependent tiny loads, and the tile is the bulk of the bytes
         slot = tl.load(state_indices + i_b)
         is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
                                           DK, DV)
-    i_hk = i_h // GROUP  # consecutive value heads share a key head (SPEC §1.5.6)
-    if is_bf16 != 0:
-        _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v * BV,
-                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                     stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                     STORE_CACHE)
-    else:
-        _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v * BV,
-                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                     stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                     STORE_CACHE)
+        if is_bf16 != 0:
+            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v * BV,
+                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
+                         STORE_CACHE)
+        else:
+            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v * BV,
+                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
+                         STORE_CACHE)
 
 
 def _hints(kind: str, hint: str) -> dict:
