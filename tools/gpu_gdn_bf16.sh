@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GDN decode, bf16 partition (issue #15 item 4): the final device call (repo root as cwd; ~3 minutes).
-# The kernel before this work must sit beside the new one as kernels/gdn/decode_main.py
-# (git show <base>:kernels/gdn/decode.py > kernels/gdn/decode_main.py). Stages, in this order:
+# The kernel before this work (aeb88d1, kept as benchmarks/results/kernels/gdn-decode/bf16_round/variants/
+# decode_before.py.txt) is placed beside the new one as kernels/gdn/decode_main.py. Stages, in this order:
 #   same     new kernel == old kernel bit for bit (outputs and both partitions) at 0 / 50 / 100 % f32 heads,
 #            B = 1, 8, 64, 256, default configs, fresh inputs
 #   new      the gdn-decode registry benchmark (python -m linrnn_bench.kernels.gdn, decode only, no fla peer):
@@ -9,7 +9,8 @@
 #   engine   bench batched, 35B-A3B NVFP4 dummy, f32 state vs ssm-bf16-tau=16 in one run, npl 64 and 128
 #   old      the same benchmark as `new` on decode_main.py (copied over decode.py in this device copy), then again
 #            with its LINRNN_GDN_BF16_WIDE=1 flag at B = 64, 128, 256
-#   tests    pytest -m gpu -k gpu_decode (compiled kernel vs the naive reference at 35B-A3B shapes)
+#   tests    pytest -k "gpu_decode or partition_major" (compiled kernel vs the naive reference at 35B-A3B shapes;
+#            partition-major == natural order bit for bit)
 # Prints the tables; everything lands under $OUT/bf16.
 #   bash tools/gpu_gdn_bf16.sh [same,new,engine,old,tests]
 . tools/device_env.sh >/dev/null
@@ -17,6 +18,8 @@ STAGES=${1:-same,new,engine,old,tests}
 R=${OUT:-/tmp/out}/bf16
 mkdir -p $R
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
+[ -f kernels/gdn/decode_main.py ] || cp benchmarks/results/kernels/gdn-decode/bf16_round/variants/decode_before.py.txt \
+  kernels/gdn/decode_main.py
 GDN="python3 -m linrnn_bench.kernels.gdn --prefill '' --no-peer --hybrid 0.5 --batches 1,8,32,64,128,256"
 if has same; then
   timeout 40 python3 - <<'PY' 2>&1 | grep -vE "Warning|warn" | tee $R/same.log
@@ -55,7 +58,8 @@ if has old; then
   unset LINRNN_GDN_BF16_WIDE
   cp /tmp/decode_new.py kernels/gdn/decode.py
 fi
+rm -f kernels/gdn/decode_main.py
 if has tests; then
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernels.py -m gpu -k gpu_decode -n 4 2>&1 | tail -3 \
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernels.py -k "gpu_decode or partition_major" -n 4 2>&1 | tail -3 \
     | tee $R/tests.log
 fi
