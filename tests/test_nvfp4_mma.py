@@ -304,11 +304,12 @@ def test_mma_bitwise_reproducible_and_graphs(B, persistent):
 
 @pytest.mark.gpu
 def test_mma_dispatch_selected_on_hopper():
-    """moe_experts picks the MMA path for decode batches and prefills up to MMA_MAX_MEAN_PAIRS pairs per
-    expert (2048 tokens at top-8 of 256) when packed weights are present."""
+    """moe_experts picks the MMA path for decode batches and short prefills, below WGMMA_MIN_MEAN_PAIRS pairs
+    per expert (from there the wgmma kernel runs: test_nvfp4_wgmma), when packed weights are present."""
     E, k, H, I = 256, 8, 2048, 512
     w13, w2 = _weights(E, H, I, "cuda", seed=3)
-    for B in (4, 2048):
+    top = experts.WGMMA_MIN_MEAN_PAIRS * E // k - 1  # the largest batch below the wgmma threshold
+    for B in (4, top):
         x = torch.randn(B, H, device="cuda").bfloat16()
         topw, ids = naive.route(torch.randn(B, E, device="cuda"), k, True)
         y = experts.moe_experts(x, topw.bfloat16(), ids, w13, w2)

@@ -182,12 +182,15 @@ if nvfp4_mma.HAVE_GLUON:
         s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, UNITS, 32], s_sl)
         n_steps = k_units // UNITS
 
-        # prologue: K steps 0 .. STAGES - 3 in flight
+        # prologue: K steps 0 .. STAGES - 3 in flight; a K shorter than that reloads its last step (unused),
+        # as the loop does past the end: reading ahead would leave the activation rows / code tiles
+        # (an illegal address at K = 128 with 2 units per step, the default model's down GEMM)
         for s in gl.static_range(STAGES - 2):
+            ks = gl.minimum(n_steps - 1, s)
             for u in gl.static_range(UNITS):
-                _cp_async(x_smem.index(s * UNITS + u), x_ptrs + (s * UNITS + u) * BK, mask=x_mask)
-            _cp_async(c_smem.index(s), c_ptrs + s * UNITS * 256)
-            _cp_async(s_smem.index(s), s_ptrs + s * UNITS * 16)
+                _cp_async(x_smem.index(s * UNITS + u), x_ptrs + (ks * UNITS + u) * BK, mask=x_mask)
+            _cp_async(c_smem.index(s), c_ptrs + ks * UNITS * 256)
+            _cp_async(s_smem.index(s), s_ptrs + ks * UNITS * 16)
             async_copy.commit_group()
 
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=acc_l)
