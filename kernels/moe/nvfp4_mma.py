@@ -614,9 +614,7 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
     the loop, register spills, registers and shared memory of the kernel."""
-    import collections
     import json
-    import re
     import subprocess
     import sys
 
@@ -633,6 +631,19 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
                         weight_hint=weight_hint)
+    weights = 16 * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
+    st = sass_loop_stats(k, "HMMA", weights)
+    st["smem_ops_in_loop"] = sum(v for o, v in st["ops"].items() if o in ("STS", "LDS", "LDSM", "BAR", "STSM"))
+    return st
+
+
+def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
+    """SASS statistics of a compiled kernel's K loop: the innermost backward branch whose body issues
+    `mma_op` (HMMA: mma.sync; HGMMA: wgmma; an outer loop may run over row groups). Instructions per
+    weight, op counts, spills and atomics anywhere in the kernel, registers, shared memory."""
+    import collections
+    import re
+
     sass = _sass(k.asm["cubin"])
     ins = []
     for line in sass.splitlines():
@@ -644,19 +655,14 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             loops.append((int(m.group(1), 16), addr))
+    loops = [r for r in loops if any(r[0] <= a <= r[1] and mma_op in t for a, t in ins)]
     if not loops:
-        raise RuntimeError("no backward branch (K loop) found in the SASS")
-    # the K loop: the innermost loop that issues MMAs (an outer loop runs over row groups)
-    loops = [r for r in loops if any(r[0] <= a <= r[1] and "HMMA" in t for a, t in ins)]
-    if not loops:
-        raise RuntimeError("no loop with MMAs found in the SASS")
+        raise RuntimeError(f"no loop with {mma_op} found in the SASS")
     lo, hi = min(loops, key=lambda r: r[1] - r[0])
     body = [t for a, t in ins if lo <= a <= hi]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-    weights = 16 * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     res = re.search(r"REG:(\d+)", _sass(k.asm["cubin"], "-res-usage"))
-    return {"instructions": len(body), "per_weight": len(body) / weights, "ops": dict(ops),
-            "smem_ops_in_loop": sum(v for o, v in ops.items() if o in ("STS", "LDS", "LDSM", "BAR", "STSM")),
+    return {"instructions": len(body), "per_weight": len(body) / weights_per_iter, "ops": dict(ops),
             "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
             "atomics": sum(1 for _, t in ins if re.search(r"\b(ATOMG|RED)\b", t)),
             "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared}

@@ -329,33 +329,11 @@ def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_S
 
 
 def _loop_stats(k, weights_per_iter: int) -> dict:
-    import collections
-    import re
-
-    sass = nvfp4_mma._sass(k.asm["cubin"])
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2).strip()))
-    loops = []
-    for addr, text in ins:
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            loops.append((int(m.group(1), 16), addr))
-    loops = [r for r in loops if any(r[0] <= a <= r[1] and "HGMMA" in t for a, t in ins)]
-    if not loops:
-        raise RuntimeError("no loop with HGMMA found in the SASS")
-    lo, hi = min(loops, key=lambda r: r[1] - r[0])
-    body = [t for a, t in ins if lo <= a <= hi]
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-    res = re.search(r"REG:(\d+)", nvfp4_mma._sass(k.asm["cubin"], "-res-usage"))
-    return {"instructions": len(body), "per_weight": len(body) / weights_per_iter, "ops": dict(ops),
-            "smem_stores_in_loop": sum(v for o, v in ops.items() if o in ("STS", "STSM")),
-            "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
-            "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared,
-            # convert_layout ops left in the kernel (the weight path's is asserted trivial and folds away)
-            "convert_layouts": k.asm["ttgir"].count("ttg.convert_layout")}
+    st = nvfp4_mma.sass_loop_stats(k, "HGMMA", weights_per_iter)
+    st["smem_stores_in_loop"] = sum(v for o, v in st["ops"].items() if o in ("STS", "STSM"))
+    # convert_layout ops left in the kernel (the weight path's is asserted trivial and folds away)
+    st["convert_layouts"] = k.asm["ttgir"].count("ttg.convert_layout")
+    return st
 
 
 if __name__ == "__main__":  # k_loop_stats in a clean process: python -m linrnn_kernels.moe.nvfp4_wgmma '{"gated": true}'
