@@ -213,6 +213,18 @@ def test_bench_batched_tensor_parallel_cpu(tmp_path, monkeypatch, one_thread):
     assert "Communication per decode step" in (out / "batched.md").read_text()
 
 
+def test_busy_time_counts_overlapping_kernels_once():
+    """Under programmatic dependent launch a kernel starts inside its predecessor (and waits there): the
+    GPU's busy time is the union of the intervals, not the sum of the durations."""
+    from linrnn_bench.batched import covered_us
+
+    assert covered_us([]) == 0
+    assert covered_us([(0, 10), (20, 25)]) == 15                 # disjoint, idle gap not counted
+    assert covered_us([(0, 10), (8, 12), (11, 15)]) == 15        # chained overlaps (PDL)
+    assert covered_us([(5, 9), (0, 10), (2, 3)]) == 10           # nested, any order
+    assert covered_us([(0, 4), (4, 6)]) == 6                      # touching
+
+
 def test_host_gap_is_wall_minus_profiled_kernel_time():
     from linrnn_bench import batched
 
