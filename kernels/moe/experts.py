@@ -72,6 +72,15 @@ class Alignment(NamedTuple):
     block_m: int
 
 
+def aligned(topk_ids: torch.Tensor, num_experts: int, block_m: int, alignment: Alignment | None):
+    """(sorted_ids, expert_ids) for block_m-token expert blocks: the alignment computed ahead (e.g. by the
+    fused router) when it used the same block size, else moe_align_block_size."""
+    if alignment is not None and alignment.block_m == block_m:
+        return alignment.sorted_ids, alignment.expert_ids
+    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, num_experts, block_m)
+    return sorted_ids, expert_ids
+
+
 def expert_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     """The block_m moe_configs picks for this batch (so a router can align for it ahead of time)."""
     over = gg._config_override("gate_up") or gg._config_override("down")
@@ -141,10 +150,7 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     cfg13, cfg2 = configs or moe_configs(T, top_k, E, inter, H, w13.fmt, w2.fmt, x.device)
     if cfg13.block_m != cfg2.block_m:
         raise ValueError(f"gate_up and down configs must share block_m ({cfg13.block_m} != {cfg2.block_m})")
-    if alignment is not None and alignment.block_m == cfg13.block_m:
-        sorted_ids, expert_ids = alignment.sorted_ids, alignment.expert_ids
-    else:
-        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, cfg13.block_m)
+    sorted_ids, expert_ids = aligned(topk_ids, E, cfg13.block_m, alignment)
     blocks = expert_ids.numel()
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   nvfp4_path=nvfp4_path)
@@ -202,10 +208,7 @@ def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
         out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     P = T * top_k
     block_n = block_n or wgmma_block_n(P, E)
-    if alignment is not None and alignment.block_m == block_n:  # e.g. from the fused router
-        sorted_ids, expert_ids = alignment.sorted_ids, alignment.expert_ids
-    else:
-        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, block_n)
+    sorted_ids, expert_ids = aligned(topk_ids, E, block_n, alignment)
     common = dict(num_rows=P, num_m_blocks=expert_ids.numel(), sorted_ids=sorted_ids, expert_ids=expert_ids,
                   block_n=block_n, stages=stages, warps=warps, units=units, proxy_fence=proxy_fence)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
@@ -265,10 +268,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     P = T * top_k
     tokens = tokens or mma_tokens(P, E)
-    if alignment is not None and alignment.block_m == tokens:  # e.g. from the fused router
-        sorted_ids, expert_ids = alignment.sorted_ids, alignment.expert_ids
-    else:
-        sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, E, tokens)
+    sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment)
     blocks = expert_ids.numel()
     active = min(E, P)
     sms = nvfp4_mma.num_sms(x.device)
