@@ -274,12 +274,7 @@ def main(argv=None) -> int:
         print(f"B={b:4d}  bare {bare['mean_ms']:.3f} ms/step (median {bare['median_ms']:.3f}, {bare['steps']} steps)"
               f"  served {served['mean_ms']:.3f} ms/step (median {served['median_ms']:.3f}, {served['steps']} steps, mean batch "
               f"{served['mean_batch']:.1f}; clients got {served['client_chunks']} chunks)", flush=True)
-    env = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-           "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(), "torch": torch.__version__,
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip(),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tokens": a.tokens,
-           "command": "python -m linrnn_bench.host_overhead " + " ".join(argv if argv is not None else sys.argv[1:])}
+    env = {**_env(argv), "tokens": a.tokens}
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "host_overhead.json"), "w") as f:
