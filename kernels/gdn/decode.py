@@ -116,6 +116,28 @@ def _natural_head(head_is_bf16, head_local, j, IS_BF16: tl.constexpr, HV: tl.con
 
 
 @triton.jit
+def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, k, v, a, b, A_log, dt_bias, o,
+                       head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
+                       stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale,
+                       HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                       LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
+                       STORE_CACHE: tl.constexpr):
+    """Program p of one partition (B x n_heads x Dv tiles, Dv tiles fastest): the tile's address needs only
+    the slot; the natural head (for q/k/v/gates) comes from the head map in parallel."""
+    NV: tl.constexpr = DV // BV
+    i_v = p % NV
+    r = p // NV
+    j = r % n_heads
+    i_b = (r // n_heads).to(tl.int64)
+    base = tl.load(state_indices + i_b).to(tl.int64) * stride_slot + j.to(tl.int64) * (DK * DV)
+    i_h = _natural_head(head_is_bf16, head_local, j, IS_BF16, HV)
+    _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v * BV,
+                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                 stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
+                 STORE_CACHE)
+
+
+@triton.jit
 def _gdn_decode_kernel(
     q, k, v, a, b, A_log, dt_bias,
     ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
@@ -129,31 +151,18 @@ def _gdn_decode_kernel(
     NV: tl.constexpr = DV // BV
     pid = tl.program_id(0)
     if PARTITION_MAJOR:
-        # B x n_f32_heads x NV f32 tiles, then B x n_bf16_heads x NV bf16 tiles (Dv tiles fastest); the tile's
-        # address needs only the slot, the natural head (for q/k/v/gates) comes from the head map in parallel
+        # B x n_f32_heads x NV f32 tiles, then B x n_bf16_heads x NV bf16 tiles (one branch per partition, so
+        # each compiles for its state dtype)
         if pid < n_f32_programs:
-            i_v = pid % NV
-            r = pid // NV
-            j = r % n_f32_heads
-            i_b = (r // n_f32_heads).to(tl.int64)
-            base = tl.load(state_indices + i_b).to(tl.int64) * stride_f32_slot + j.to(tl.int64) * (DK * DV)
-            i_h = _natural_head(head_is_bf16, head_local, j, False, HV)
-            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_h // GROUP, i_v * BV,
-                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                         STORE_CACHE)
+            _partition_program(pid, n_f32_heads, stride_f32_slot, ssm_f32, False, q, k, v, a, b, A_log, dt_bias, o,
+                               head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
+                               stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale, HV, GROUP,
+                               DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
         else:
-            p = pid - n_f32_programs
-            i_v = p % NV
-            r = p // NV
-            j = r % n_bf16_heads
-            i_b = (r // n_bf16_heads).to(tl.int64)
-            base = tl.load(state_indices + i_b).to(tl.int64) * stride_bf16_slot + j.to(tl.int64) * (DK * DV)
-            i_h = _natural_head(head_is_bf16, head_local, j, True, HV)
-            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_h // GROUP, i_v * BV,
-                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                         STORE_CACHE)
+            _partition_program(pid - n_f32_programs, n_bf16_heads, stride_bf16_slot, ssm_bf16, True, q, k, v, a, b,
+                               A_log, dt_bias, o, head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head,
+                               stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
+                               scale, HV, GROUP, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
     else:
         i_v = pid % NV
         i_bh = pid // NV
