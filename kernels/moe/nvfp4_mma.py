@@ -100,6 +100,20 @@ DECODE_CONSTRAINTS = ",".join(["=r"] * 16 + ["r"] * 12)
 
 if HAVE_GLUON:
     @gluon.jit
+    def decode_codes(q, sw, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr,
+                     UNITS: gl.constexpr):
+        """In-register decode of a K step's codes q [w, u, lane, 8 (word, h)] with their scale words sw:
+        bf16 weights as [w, u, g, t, cb, r8, h, p, q] (join appends its new dim last: [.., p, q] holds
+        out_{2p + q}); each kernel permutes them into its MMA's A-fragment order. Shared by the mma_v2
+        (decode) and wgmma (prefill) kernels."""
+        s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            DECODE, CONSTRAINTS, [q, s8],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
+        wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
+        return gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
+
+    @gluon.jit
     def _decode_mma(q, sw, x_base, x_off, offs_kb, k0, K, acc, a_op: gl.constexpr, EVEN_K: gl.constexpr,
                     DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr):
         """One K step: activations (B fragment), in-register decode of the codes q with scales sw,
@@ -108,14 +122,7 @@ if HAVE_GLUON:
             xb = gl.load(x_base + x_off)
         else:
             xb = gl.load(x_base + x_off, mask=(k0 + offs_kb < K)[:, None], other=0.0)
-        s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(
-            DECODE, CONSTRAINTS, [q, s8],
-            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
-        # join appends its new dim last: [.., p, q] holds out_{2p + q}
-        # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]
-        wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
-        wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
+        wts = decode_codes(q, sw, DECODE, CONSTRAINTS, WARPS, UNITS)
         wts = gl.permute(wts, [0, 5, 2, 1, 4, 3, 7, 8, 6])  # row = (w, r8, g); k = (u, cb, t, p, q, h)
         wts = gl.reshape(wts, [16 * WARPS, 64 * UNITS])
         a = gl.convert_layout(wts, a_op, assert_trivial=True)

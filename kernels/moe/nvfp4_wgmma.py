@@ -96,14 +96,8 @@ if nvfp4_mma.HAVE_GLUON:
         cur = i % STAGES
         q = c_smem.index(cur).load(raw)
         sw = s_smem.index(cur).load(sraw)
-        s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(
-            DECODE, CONSTRAINTS, [q, s8],
-            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
-        # [w, u, lane, 8 (word, h)] x (p, q) -> [w, u, g, t, cb, r8, h, p, q]; the wgmma fragment's k
-        # order within 32 k is (p, q, t, h) (see permute_k)
-        wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
-        wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
+        # the wgmma fragment's k order within 32 k is (p, q, t, h) (see permute_k)
+        wts = nvfp4_mma.decode_codes(q, sw, DECODE, CONSTRAINTS, WARPS, UNITS)
         wts = gl.permute(wts, [0, 5, 2, 1, 4, 7, 8, 3, 6])  # row = (w, r8, g); k = (u, cb, p, q, t, h)
         if UNITS == 1:
             a = gl.convert_layout(gl.reshape(wts, [ROWS, BK]), a_op, assert_trivial=True)
