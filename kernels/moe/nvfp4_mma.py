@@ -621,20 +621,10 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
     the loop, register spills, registers and shared memory of the kernel."""
-    import json
-    import subprocess
-    import sys
-
     if os.environ.get("TRITON_INTERPRET") == "1":
-        # the interpreter patches triton.language globally once a kernel has run in it, which breaks
-        # real compilation in this process: compile in a clean one
-        args = dict(gated=gated, split=split, units=units, warps=warps, arch=arch, tokens=tokens, groups=groups,
-                    prefetch=prefetch, fused_reduce=fused_reduce, weight_hint=weight_hint)
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        out = subprocess.run([sys.executable, "-m", "linrnn_kernels.moe.nvfp4_mma", json.dumps(args)], env=env,
-                             check=True, capture_output=True, text=True).stdout
-        return json.loads(out.strip().splitlines()[-1])
-
+        return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
+                                 tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
+                                 weight_hint=weight_hint)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
                         weight_hint=weight_hint)
@@ -675,8 +665,47 @@ def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
             "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared}
 
 
-if __name__ == "__main__":  # k_loop_stats in a clean process: python -m linrnn_kernels.moe.nvfp4_mma '{"gated": true}'
+def persistent_compile_stats(splits: tuple[int, int] = (1, 1)) -> dict:
+    """SASS facts of the persistent two-GEMM kernel compiled for sm_90 (no GPU needed): registers, shared
+    memory, the number of innermost HMMA K loops, spill opcodes inside them, the atomic opcodes of the
+    kernel. Compiles in a clean process under TRITON_INTERPRET (see k_loop_stats)."""
+    import re
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return in_clean_process(__name__, "persistent_compile_stats", splits=list(splits))
+    k = compile_persistent_offline(splits=tuple(splits))
+    sass = _sass(k.asm["cubin"])
+    regs = int(re.search(r"REG:(\d+)", _sass(k.asm["cubin"], "-res-usage")).group(1))
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = [(int(m.group(1), 16), a) for a, t in ins for m in [re.search(r"BRA (0x[0-9a-f]+)", t)]
+             if m and int(m.group(1), 16) < a]
+
+    def has_mma(lo, hi):
+        return any(lo <= a <= hi and "HMMA" in t for a, t in ins)
+
+    k_loops = [(lo, hi) for lo, hi in loops if has_mma(lo, hi)
+               and not any(lo < lo2 and hi2 <= hi for lo2, hi2 in loops if (lo2, hi2) != (lo, hi) and has_mma(lo2, hi2))]
+    return {"regs": regs, "shared": k.metadata.shared, "k_loops": len(k_loops),
+            "k_loop_spills": sum(1 for lo, hi in k_loops for a, t in ins
+                                 if lo <= a <= hi and re.search(r"\b(STL|LDL)\b", t)),
+            "atomics": re.findall(r"(?:ATOMG|RED)\.[A-Z0-9.]*", sass)}
+
+
+def in_clean_process(module: str, fn: str, **kwargs) -> dict:
+    """`module.fn(**kwargs)` (a module with this __main__ convention) in a fresh interpreter without TRITON_INTERPRET: once a kernel has run
+    in the interpreter, triton.language is patched for the whole process and real compilation breaks."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", module, fn, json.dumps(kwargs)], env=env,
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":  # a compile-statistics function in a clean process: python -m ... k_loop_stats '{"gated": true}'
     import json
     import sys
 
-    print(json.dumps(k_loop_stats(**json.loads(sys.argv[1]))))
+    print(json.dumps(globals()[sys.argv[1]](**json.loads(sys.argv[2]))))

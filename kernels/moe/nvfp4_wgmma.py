@@ -308,16 +308,9 @@ def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_S
     iteration and per weight (a thread decodes 64 rows x 64 k / 128 threads = 32 weights a step),
     opcode counts, shared-memory stores in the loop (decoded weights would need STS / STSM), shared
     loads, spills, registers and shared memory. Compiles in a clean process under TRITON_INTERPRET."""
-    import json
-    import subprocess
-    import sys
-
     args = dict(gated=gated, block_n=block_n, stages=stages, warps=warps, units=units, arch=arch)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        out = subprocess.run([sys.executable, "-m", "linrnn_kernels.moe.nvfp4_wgmma", json.dumps(args)], env=env,
-                             check=True, capture_output=True, text=True).stdout
-        return json.loads(out.strip().splitlines()[-1])
+        return nvfp4_mma.in_clean_process(__name__, "k_loop_stats", **args)
     k = compile_offline(**args)
     return _loop_stats(k, weights_per_iter=32 * units)
 
@@ -330,8 +323,8 @@ def _loop_stats(k, weights_per_iter: int) -> dict:
     return st
 
 
-if __name__ == "__main__":  # k_loop_stats in a clean process: python -m linrnn_kernels.moe.nvfp4_wgmma '{"gated": true}'
+if __name__ == "__main__":  # nvfp4_mma.in_clean_process: python -m linrnn_kernels.moe.nvfp4_wgmma k_loop_stats '{}'
     import json
     import sys
 
-    print(json.dumps(k_loop_stats(**json.loads(sys.argv[1]))))
+    print(json.dumps(globals()[sys.argv[1]](**json.loads(sys.argv[2]))))
