@@ -17,7 +17,9 @@ conversation of T turns (`--num-turns`): a system prompt of S tokens shared by e
 reply (`--output-len` tokens, read back as ids through vLLM's `return_tokens_as_token_ids`; random
 ids if the server does not return them) appended before the next turn. Reported per turn: TTFT
 median / mean and the prefix-cache hit rate (`usage.prompt_tokens_details.cached_tokens` / prompt
-tokens); and the TTFT median over turns 2..T.
+tokens); and the TTFT median over turns 2..T. The JSON keeps every request too (`requests`: turn, user,
+request id, send time on CLOCK_MONOTONIC, TTFT s, E2EL s, prompt and cached tokens), to line up with a
+server trace (`serve_probe server`, tools/prefix_timeline.py).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ class RequestResult:
     error: str = ""
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     output_ids: list[int] = field(default_factory=list)  # with return_tokens_as_token_ids + logprobs
+    sent_at: float = 0.0  # time.perf_counter() at the send (CLOCK_MONOTONIC: comparable with a server's trace)
+    request_id: str = ""  # the response's id (the server's request id)
 
 
 async def send_request(client: httpx.AsyncClient, base_url: str, model: str, prompt, max_tokens: int,
@@ -53,7 +57,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, pro
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     n_prompt = len(prompt) if isinstance(prompt, list) else 0
     res = RequestResult(ok=False, prompt_tokens=n_prompt)
-    start = time.perf_counter()
+    start = res.sent_at = time.perf_counter()
     last = start
     chunks = 0
     try:
@@ -69,6 +73,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, pro
                 if data == "[DONE]":
                     break
                 msg = json.loads(data)
+                res.request_id = res.request_id or msg.get("id", "")
                 if msg.get("usage"):
                     res.output_tokens = msg["usage"].get("completion_tokens", res.output_tokens)
                     res.prompt_tokens = msg["usage"].get("prompt_tokens", res.prompt_tokens)
@@ -170,6 +175,7 @@ async def run_multi_turn(base_url: str, model: str, num_users: int, num_turns: i
     user_rngs = [random.Random(seed * 1000003 + u + 1) for u in range(num_users)]
     per_turn: list[list[RequestResult]] = [[] for _ in range(num_turns)]
     replies_as_ids = [True]
+    records: list[list] = []  # per request: turn, user, request id, sent at (s, monotonic), TTFT s, E2EL s, prompt, cached
     extra = {"logprobs": 0, "return_tokens_as_token_ids": True}
     limits = httpx.Limits(max_connections=num_users + 4, max_keepalive_connections=num_users + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -182,6 +188,8 @@ async def run_multi_turn(base_url: str, model: str, num_users: int, num_turns: i
                 conv += [r_u.randrange(*id_range) for _ in range(user_len)]
                 r = await send_request(client, base_url, model, list(conv), output_len, api_key, extra)
                 per_turn[t].append(r)
+                records.append([t + 1, u, r.request_id, r.sent_at, r.ttft, r.latency, r.prompt_tokens,
+                                r.cached_tokens])
                 if not r.ok:
                     return
                 if len(r.output_ids) != r.output_tokens:
@@ -204,7 +212,7 @@ async def run_multi_turn(base_url: str, model: str, num_users: int, num_turns: i
     later = [r for rs in per_turn[1:] for r in rs if r.ok]
     out.update(workload="multi-turn", num_users=num_users, num_turns=num_turns, system_len=system_len,
                user_len=user_len, output_len=output_len, max_concurrency=num_users, turns=turns,
-               replies_as_ids=replies_as_ids[0],
+               replies_as_ids=replies_as_ids[0], requests=records,
                ttft_ms_turns_2_plus=_stats([r.ttft for r in later]),
                hit_rate=sum(r.cached_tokens for r in all_results if r.ok) / max(out["input_tokens"], 1))
     return out

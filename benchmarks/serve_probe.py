@@ -85,7 +85,11 @@ def core_main(argv: list[str]) -> None:
     def traced_step(self):
         t0 = now()
         out = step(self)
-        buf.append(json.dumps(["step", t0, now(), len(out)]) + "\n")
+        p, sch = self.engine.last_plan, self.engine.scheduler
+        # the plan this call launched: decode rows, prefill rows / tokens, cached first tokens, restores, waiting
+        comp = [len(p.decode), len(p.prefill), sum(len(r.token_ids) for r in p.prefill), len(p.cached),
+                len(p.snapshot_restores), len(sch.waiting)] if p is not None else []
+        buf.append(json.dumps(["step", t0, now(), len(out), comp]) + "\n")
         return out
 
     core.EngineCore.add, core.EngineCore.step = traced_add, traced_step
