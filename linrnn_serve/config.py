@@ -298,7 +298,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # chunked-prefill token budget per step
     # while prompts wait for prefill, running decodes sit out at most this many steps in a row (0: never)
-    max_decode_pause_steps: int = 4
+    max_decode_pause_steps: int = 0
     gpu_memory_utilization: float = 0.90
     block_size: int = 16
     enforce_eager: bool = False  # no CUDA graphs
@@ -334,4 +334,4 @@ class EngineConfig:
     # reach the host. None: on for CUDA, off on the CPU (where the forward runs on the host and nothing overlaps)
     async_scheduling: bool | None = None
     # overlap steps that run prefills too (False: such a step completes before the next is scheduled)
-    async_scheduling_prefill: bool = False
+    async_scheduling_prefill: bool = True

@@ -168,10 +168,11 @@ class EngineArgs:
                                         "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 too)", action="store_true")
     max_num_seqs: int = _f(64, "sequences in the running batch", type=_positive_int)
     max_num_batched_tokens: int = _f(2048, "tokens per engine step (chunked-prefill budget)", type=human_int)
-    max_decode_pause_steps: int = _f(4, "while prompts wait for their prefill, steps run the prefills alone: a "
-                                     "running sequence's decode sits out at most N steps in a row (a time-to-first-"
-                                     "token policy, as vLLM V0 / SGLang schedule prefill first; 0: decodes run "
-                                     "every step)", type=int, metavar="N")
+    max_decode_pause_steps: int = _f(0, "prefill first: while prompts wait for their prefill, steps run the prefills "
+                                     "alone, a running sequence's decode sitting out at most N steps in a row (as "
+                                     "vLLM V0 / SGLang schedule prefill first); 0 (default): decodes run every step. "
+                                     "Measured slower on the multi-turn prefix workload (benchmarks/results/prefix)",
+                                     type=int, metavar="N")
     max_queue_len: int = _f(1024, "requests waiting for admission; beyond this the server answers 503",
                             type=_positive_int)
     gpu_memory_utilization: float = _f(0.90, "fraction of GPU memory for weights, activations and caches",
@@ -185,9 +186,9 @@ class EngineArgs:
     async_scheduling: bool | None = _f(None, "overlapped steps: schedule and launch step N+1 before step N's "
                                        "sampled ids reach the host (default: on for CUDA, off on the CPU)",
                                        action=argparse.BooleanOptionalAction)
-    async_scheduling_prefill: bool = _f(False, "with overlapped steps, overlap the steps that run prefills too "
-                                        "(default: such a step completes before the next is scheduled, so requests "
-                                        "that arrive meanwhile join the next step, one step sooner)",
+    async_scheduling_prefill: bool = _f(True, "with overlapped steps, overlap the steps that run prefills too "
+                                        "(default); --no-async-scheduling-prefill: such a step completes before the "
+                                        "next is scheduled, so requests arriving meanwhile join the next step",
                                         action=argparse.BooleanOptionalAction)
     enable_prefix_caching: bool | None = _f(None, "reuse the cached state / KV of a shared prompt prefix "
                                             "(exact, any length; recurrent-state snapshots)",

@@ -7,7 +7,7 @@ Plain Python (no tensors). Each step:
    (`max_num_batched_tokens`, decode tokens included);
 3. waiting sequences are admitted in priority order while a state slot, budget and KV blocks remain.
 
-Prefill first (`max_decode_pause_steps` K > 0, the engine's default): while prompt tokens wait (a
+Prefill first (`max_decode_pause_steps` K > 0; off by default): while prompt tokens wait (a
 sequence mid-prefill, or a waiting one with a free slot), step 1 leaves out the decodes, so the step
 runs one prefill forward instead of a decode forward plus a prefill forward and the prompts' first
 tokens come sooner (a burst of arrivals is prefilled in fewer, shorter steps). No decode sits out more

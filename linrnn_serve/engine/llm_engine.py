@@ -11,10 +11,9 @@ is still on the device is fed from it there (ModelRunner.slot_ids). A stop (EOS,
 step N's tokens finishes the sequence one step late: the token step N+1 sampled for it is dropped and
 its slot and blocks are reused only by work queued after step N+1 on the same stream. Steps whose
 sampling needs the previous token on the host (multi-token bad words) and `capture_logits`
-run synchronously, and so (unless `async_scheduling_prefill`) do steps that run prefills or first tokens
-from the prefix cache: step N+1 would otherwise be scheduled before the requests arriving during step N's
-long forward are seen, and they would wait for N+2 (one step more of time to first token, for a host time
-that is small against a prefill's forward). Grammar-constrained steps overlap too, as in vLLM: step N+1's grammar callback runs
+run synchronously, and so do steps that run prefills or first tokens from the prefix cache when
+`async_scheduling_prefill` is off (on by default): overlapped, step N+1 is scheduled before the requests
+arriving during step N's long forward are seen, and they wait for N+2. Grammar-constrained steps overlap too, as in vLLM: step N+1's grammar callback runs
 once its forward is queued, waits there for step N's sampled ids (already copied by then: step N's
 sampling precedes step N+1's forward on the stream), feeds them to the matchers and fills the masks
 while the GPU computes. Greedy and seeded outputs are the same either way.
