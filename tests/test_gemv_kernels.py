@@ -332,17 +332,22 @@ from linrnn_kernels.moe import router_fused  # noqa: E402
     (5, 24, 4, 1, 4, gcfg.SkinnyConfig(16, 64, 1)),
     (9, 40, 3, 0, 16, gcfg.SkinnyConfig(16, 32, 3, use_dot=True)),
     (32, 16, 8, 1, 16, gcfg.SkinnyConfig(16, 64, 2, use_dot=True)),
+    (3, 40, 8, 1, -8, gcfg.SkinnyConfig(16, 32, 2)),  # block_m < 0: pair blocks of -block_m tokens
+    (8, 24, 4, 0, -8, gcfg.SkinnyConfig(16, 64, 1, use_dot=True)),
+    (1, 256, 8, 1, -8, gcfg.SkinnyConfig(16, 64, 2)),
 ])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_fused_router_matches_composition(poison_empty, M, E, top_k, extra, block_m, cfg, renormalize):
     """Logits within bf16 rounding of the f32 reference; routing and alignment exactly those of the naive
-    ops on the kernel's own logits (near-ties may legitimately flip with one ulp of the logits)."""
+    ops on the kernel's own logits (near-ties may legitimately flip with one ulp of the logits); the
+    alignment as expert-sorted blocks or as pair blocks."""
+    pair_blocks, block_m = block_m < 0, abs(block_m)
     dtype, K = torch.bfloat16, 96
     x = torch.randn(M, K, device=DEV).to(dtype)
     gw = _weight(E + extra, K, "dense", dtype)
     shared = _weight(2 * 24, K, "dense", dtype) if extra else None
     logits, tw, ids, (sorted_ids, expert_ids, num_padded), h = router_fused.route_align(
-        x, gw, E, top_k, renormalize, block_m, cfg, shared_w13=shared)
+        x, gw, E, top_k, renormalize, block_m, cfg, shared_w13=shared, pair_blocks=pair_blocks)
     if shared is None:
         assert h is None
     else:  # the shared expert's gate_up tiles of the same launch
@@ -359,6 +364,11 @@ def test_fused_router_matches_composition(poison_empty, M, E, top_k, extra, bloc
     # one bf16 ulp: the CPU interpreter's f32 -> bf16 cast truncates where torch rounds to nearest
     exact = DEV == "cuda"
     assert torch.allclose(tw.float(), rw.to(dtype).float(), rtol=0 if exact else 2 ** -7, atol=0)
+    assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
+    if pair_blocks:
+        r_sorted, r_expert, r_n = moe_naive.moe_pair_blocks(ids, block_m)
+        assert torch.equal(sorted_ids, r_sorted) and torch.equal(expert_ids, r_expert) and int(num_padded) == r_n
+        return
     r_sorted, r_expert, r_n = moe_naive.moe_align_block_size(rids, E, block_m)
     assert int(num_padded) == r_n
     assert torch.equal(sorted_ids[:r_n], r_sorted)
@@ -368,17 +378,24 @@ def test_fused_router_matches_composition(poison_empty, M, E, top_k, extra, bloc
 
 
 @pytest.mark.parametrize("M,E,top_k,extra,block_m", [(1, 24, 4, 1, 8), (2, 40, 3, 0, 16), (1, 16, 8, 1, 8),
-                                                     (1, 256, 8, 0, 8)])
+                                                     (1, 256, 8, 0, 8), (8, 256, 8, 1, -8), (3, 20, 10, 0, -8)])
 def test_route_align_logits_matches_composition(poison_empty, M, E, top_k, extra, block_m):
-    """Routing + alignment from logits in one launch (tiny batches): the naive route and alignment
-    exactly, weights rounded once to bf16."""
+    """Routing + alignment from logits in one launch (tiny batches; block_m < 0: pair blocks of up to
+    -block_m tokens): the naive route and alignment exactly, weights rounded once to bf16."""
+    pair_blocks, block_m = block_m < 0, abs(block_m)
     logits = torch.randn(M, E + extra, device=DEV)  # f32: no ties
     tw, ids, (sorted_ids, expert_ids, num_padded) = router_fused.route_align_logits(
-        logits, E, top_k, True, block_m, torch.bfloat16)
+        logits, E, top_k, True, block_m, torch.bfloat16, pair_blocks=pair_blocks)
     rw, rids = moe_naive.route(logits[:, :E], top_k, True)
     assert torch.equal(ids.long(), rids)
     exact = DEV == "cuda"  # the CPU interpreter's f32 -> bf16 cast truncates
     assert torch.allclose(tw.float(), rw.bfloat16().float(), rtol=0 if exact else 2 ** -7, atol=0)
+    if pair_blocks:
+        r_sorted, r_expert, r_n = moe_naive.moe_pair_blocks(ids, block_m)
+        assert torch.equal(sorted_ids, r_sorted) and torch.equal(expert_ids, r_expert) and int(num_padded) == r_n
+        with pytest.raises(ValueError, match="pair blocks"):
+            router_fused.route_align_logits(logits.repeat(9, 1), E, top_k, True, 8, torch.bfloat16, pair_blocks=True)
+        return
     r_sorted, r_expert, r_n = moe_naive.moe_align_block_size(rids, E, block_m)
     assert int(num_padded) == r_n
     assert torch.equal(sorted_ids[:r_n], r_sorted)
@@ -438,15 +455,24 @@ def test_gpu_full_shapes(poison_empty, M, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8, 32])
-def test_gpu_router_full_shape(poison_empty, M):
+@pytest.mark.parametrize("M,pair_blocks", [(1, False), (8, False), (32, False), (1, True), (8, True)])
+def test_gpu_router_full_shape(poison_empty, M, pair_blocks):
+    """35B shapes; pair_blocks (the engine's choice at <= 8 tokens on Hopper): the same logits, ids, weights
+    and h as the expert-sorted launch, bit for bit, and the naive pair blocks of those ids."""
     dtype, H, E = torch.bfloat16, 2048, 256
     x = torch.randn(M, H, device=DEV).to(dtype)
     gw = _weight(E + 1, H, "dense", dtype)
     cfg = gcfg.skinny_config(M, E + 1, H, "dense", torch.device("cuda"))
     shared = _weight(1024, H, "dense", dtype)
+    if pair_blocks:
+        got = router_fused.route_align(x, gw, E, 8, True, 8, cfg, shared_w13=shared, pair_blocks=True)
+        assert all(torch.equal(a, b) for a, b in zip(got[3], moe_naive.moe_pair_blocks(got[2], 8)[:2]))
+        assert int(got[3][2]) == M * 8 * 8
     logits, tw, ids, (sorted_ids, expert_ids, num_padded), h = router_fused.route_align(
         x, gw, E, 8, True, 16, cfg, shared_w13=shared)
+    if pair_blocks:
+        for a, b in zip(got[:3] + got[4:], (logits, tw, ids, h)):
+            assert torch.equal(a, b)
     assert rel_fro(h, router_fused.naive_shared_gate_up(x, shared)) <= 2e-2
     ref = router_fused.naive_route_align(x, gw, E, 8, True, 16)[0]
     assert rel_fro(logits, ref) <= 1e-2

@@ -128,6 +128,27 @@ def test_align_skewed_routing():
     assert torch.equal(expert_ids[:len(ref_experts)], ref_experts)
 
 
+@pytest.mark.parametrize("T,E,k,block_m", [(1, 256, 8, 8), (3, 16, 8, 8), (8, 12, 8, 8), (5, 7, 3, 8),
+                                          (8, 24, 10, 8), (2, 4, 1, 8), (11, 40, 4, 16)])
+def test_pair_blocks_match_naive(monkeypatch, T, E, k, block_m):
+    """Pair blocks (block b = pair b, token n in slot n, repeated experts skipped): the naive reference
+    exactly (outputs poisoned first), hot experts shared by several tokens included (small E),
+    non-power-of-two top-k."""
+    ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)]).int()
+    real = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real(*a, **kw).fill_(torch.iinfo(torch.int32).max))
+    sorted_ids, expert_ids, num_padded = align.moe_pair_blocks(ids, block_m)
+    ref_sorted, ref_experts, ref_padded = naive.moe_pair_blocks(ids, block_m)
+    assert torch.equal(sorted_ids, ref_sorted) and torch.equal(expert_ids, ref_experts)
+    assert int(num_padded) == ref_padded == T * k * block_m
+    # every pair sits in exactly one live block, in its token's slot
+    live = (expert_ids >= 0).repeat_interleave(block_m)
+    placed = sorted_ids[live & (sorted_ids < T * k)].sort().values
+    assert torch.equal(placed.long(), torch.arange(T * k, device=DEV))
+    with pytest.raises(ValueError, match="pair blocks"):
+        align.moe_pair_blocks(ids.repeat(9, 1), 8)
+
+
 # ------------------------------------------------------------------------------- NVFP4 decoding
 
 def _decode_all_bytes(mode: str):

@@ -293,6 +293,50 @@ def test_mma_bitwise_reproducible_and_graphs(B, persistent):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 2, 3, 5, 8])
+def test_mma_pair_blocks_bit_identical(nan_buffers, B):
+    """Pair blocks (align.moe_pair_blocks: block b = pair b, token n in column n; what the fused router hands
+    the experts at <= 8 tokens): every token's output and uncombined partials equal those of the expert-sorted
+    alignment bit for bit (the same MMA column math), and the naive oracle within tolerance; NaN-poisoned
+    buffers, every split-K path, the dispatcher, a CUDA-graph replay."""
+    from linrnn_kernels.moe import align
+
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda", seed=4)
+    x = torch.randn(B, H, device="cuda").bfloat16()
+    # hot experts (a biased router) so tokens share experts: blocks with several tokens, repeated experts skipped
+    logits = x.float() @ (torch.randn(E, H, device="cuda") * 0.02).t() + torch.linspace(0, 3, E, device="cuda")
+    topw, ids = naive.route(logits, k, True)
+    topw, ids = topw.bfloat16(), ids.int()
+    assert B == 1 or ids.unique().numel() < B * k
+    pb = experts.Alignment(*align.moe_pair_blocks(ids, 8), 8, pair_blocks=True)
+    ref = naive.moe_experts(x, topw, ids.long(), w13, w2)
+    for splits in (None, (1, 1), (2, 2), (4, 2)):
+        y_al = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits)
+        y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, alignment=pb)
+        assert torch.equal(y, y_al), splits
+        assert float((y.double() - ref.double()).norm() / ref.double().norm()) <= 1e-2
+        p_al = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, combine=False)
+        p = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, combine=False, alignment=pb)
+        assert torch.equal(p.part, p_al.part), splits
+    assert not nvfp4_mma.tickets("cuda").any()
+    y0 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, alignment=pb)
+    assert torch.equal(experts.moe_experts(x, topw, ids, w13, w2, alignment=pb), y0)  # the dispatcher takes them
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, alignment=pb)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, alignment=pb)
+    for _ in range(2):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, y0)
+
+
+@pytest.mark.gpu
 def test_mma_dispatch_selected_on_hopper():
     """moe_experts picks the MMA path for decode batches and short prefills, below WGMMA_MIN_MEAN_PAIRS pairs
     per expert (from there the wgmma kernel runs: test_nvfp4_wgmma), when packed weights are present."""

@@ -7,7 +7,8 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
                   (nvfp4_mma.py, experts repacked once per weight set as the loader does), large
                   batches dequantized once to bf16 for the bf16 grouped GEMM (dequant.py); up to 64
                   pairs routed in one launch as the engine's layer is (softmax, top-k, bf16 weights
-                  and the experts' alignment: router_fused.route_align_logits)
+                  and the experts' alignment: router_fused.route_align_logits; up to 8 tokens on the MMA
+                  kernel as pair blocks, align.moe_pair_blocks)
   nvfp4/mma-route the same experts behind the separate route kernel, weight cast and alignment
   nvfp4/mma-parts nvfp4/mma without the top-k combine launch: the engine's decode layer hands the
                   uncombined partials to the shared expert's down projection, which sums them
@@ -148,18 +149,21 @@ def ours(logits, x, top_k, w13, w2, path=None):
 
 def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True):
     """Routing in one launch as the engine's decode layer does (there the fused router also runs the
-    gate GEMM): up to router_fused.LOGITS_MAX_PAIRS pairs softmax + top-k + alignment with bf16 weights
-    in one launch whose alignment the experts reuse; then our default expert path."""
+    gate GEMM): softmax + top-k + alignment with bf16 weights in one launch whose alignment the experts reuse
+    (up to router_fused.LOGITS_MAX_PAIRS pairs, or up to 8 tokens as pair blocks where the MMA kernel takes
+    them); then our default expert path."""
     from linrnn_kernels.moe import router_fused
 
     E = w13.data.shape[0]
-    if x.shape[0] * top_k > router_fused.LOGITS_MAX_PAIRS:
+    pair_blocks = experts.takes_pair_blocks(x, top_k, w13, w2)
+    if x.shape[0] * top_k > router_fused.LOGITS_MAX_PAIRS and not pair_blocks:
         topw, ids = router.route(logits, top_k, True, weight_dtype=x.dtype)
         return experts.moe_experts(x, topw, ids, w13, w2, combine=combine)
     block_m = experts.alignment_block_m(x, top_k, w13, w2)
-    topw, ids, (sid, eid, npad) = router_fused.route_align_logits(logits, E, top_k, True, block_m, x.dtype)
-    return experts.moe_experts(x, topw, ids, w13, w2, alignment=experts.Alignment(sid, eid, npad, block_m),
-                               combine=combine)
+    topw, ids, (sid, eid, npad) = router_fused.route_align_logits(logits, E, top_k, True, block_m, x.dtype,
+                                                                  pair_blocks=pair_blocks)
+    return experts.moe_experts(x, topw, ids, w13, w2, combine=combine,
+                               alignment=experts.Alignment(sid, eid, npad, block_m, pair_blocks))
 
 
 def combined(y):

@@ -167,8 +167,34 @@ def _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n,
 
 
 @triton.jit
-def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres,
-            nw_ptr, y_ptr, sy, tick_ptr, sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
+def _epilogue_inputs(rows, m_ok, offs_n, n_ok, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres,
+                     EPI: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ACT: tl.constexpr, ADD_GROUP: tl.constexpr, ADD_SPLITS: tl.constexpr):
+    """(residual, addend, sigmoid gate) of this tile as f32 (0.0 where unused): what earlier kernels wrote, loaded
+    by every split before its ticket (after the GEMM tile's gdc_wait), so the last split's serial tail skips them."""
+    mask = m_ok[:, None] & n_ok[None, :]
+    res = 0.0
+    add = 0.0
+    gate = 0.0
+    if HAS_RES:
+        res = tl.load(res_ptr + rows[:, None] * sres + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if EPI == 2:
+        gl = tl.load(gl_ptr + rows * sgl, mask=m_ok, other=0.0).to(tl.float32)
+        gate = _round(1.0 / (1.0 + tl.exp(-gl)), ACT)
+        if ADD_SPLITS:  # the routed experts' f32 partials [splits, rows x group, N], combined as sum_reduce does
+            add = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for j in tl.static_range(ADD_GROUP):
+                for s_ in tl.static_range(ADD_SPLITS):
+                    add += tl.load(add_ptr + s_ * sadd_s + (rows * ADD_GROUP + j)[:, None] * sadd + offs_n[None, :],
+                                   mask=mask, other=0.0)
+            add = _round(add, ACT)
+        else:
+            add = tl.load(add_ptr + rows[:, None] * sadd + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    return res, add, gate
+
+
+@triton.jit
+def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, res, add, gate, nw_ptr, y_ptr, sy, tick_ptr, sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
             EPI: tl.constexpr, HAS_RES: tl.constexpr, ROW_NORM: tl.constexpr, KC: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, ACT: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr,
             ADD_GROUP: tl.constexpr, ADD_SPLITS: tl.constexpr):
@@ -195,22 +221,10 @@ def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, sa
     if EPI == 1:
         u = _round(acc_u, ACT)
         y = _round(y / (1.0 + tl.exp(-y)) * u, ACT)
-    elif EPI == 2:
-        gl = tl.load(gl_ptr + rows * sgl, mask=m_ok, other=0.0).to(tl.float32)
-        s = _round(1.0 / (1.0 + tl.exp(-gl)), ACT)
-        if ADD_SPLITS:  # the routed experts' f32 partials [splits, rows x group, N], combined as sum_reduce does
-            add = tl.zeros((BLOCK_M, y.shape[1]), tl.float32)
-            for j in tl.static_range(ADD_GROUP):
-                for s_ in tl.static_range(ADD_SPLITS):
-                    add += tl.load(add_ptr + s_ * sadd_s + (rows * ADD_GROUP + j)[:, None] * sadd + offs_n[None, :],
-                                   mask=mask, other=0.0)
-            add = _round(add, ACT)
-        else:
-            add = tl.load(add_ptr + rows[:, None] * sadd + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = _round(add + _round(s[:, None] * y, ACT), ACT)
-    if HAS_RES:
-        r = tl.load(res_ptr + rows[:, None] * sres + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = _round(y + r, ACT)
+    elif EPI == 2:  # gate and addend loaded before the split-K ticket (_epilogue_inputs)
+        y = _round(add + _round(gate[:, None] * y, ACT), ACT)
+    if HAS_RES:  # res: the residual tile, loaded before the split-K ticket (off the serial tail)
+        y = _round(y + res, ACT)
     tl.store(out_ptr + rows[:, None] * so + offs_n[None, :], y.to(ACT), mask=mask)
     if ROW_NORM:
         # this tile's share of each row's sum of squares (of the stored h values); the last tile adds the
@@ -224,6 +238,13 @@ def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, sa
             # 1024 tiles) would otherwise pay one dependent L2 round trip per 64 tiles here
             T_CHUNK: tl.constexpr = 2048 // BLOCK_M
             offs_t = tl.arange(0, T_CHUNK)
+            # the first chunk of the norm pass loads now, in flight with the shares
+            rr0 = tl.arange(0, RM)
+            cols0 = tl.arange(0, BLOCK_R)
+            cm0 = (rr0 < M)[:, None] & (cols0 < N)[None, :]
+            h0 = tl.load(out_ptr + rr0[:, None] * so + cols0[None, :], mask=cm0, other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+            w0 = tl.load(nw_ptr + cols0, mask=cols0 < N, other=0.0).to(tl.float32)
             ss = tl.zeros((BLOCK_M,), tl.float32)
             for t0 in range(0, n_tiles, T_CHUNK):
                 part = tl.load(sumsq_ptr + (t0 + offs_t)[:, None] * BLOCK_M + rows[None, :],
@@ -239,9 +260,13 @@ def _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, sa
             for c0 in range(0, N, BLOCK_R):
                 c_ok = c0 + cols < N
                 cm = r_ok[:, None] & c_ok[None, :]
-                h = tl.load(out_ptr + rr[:, None] * so + (c0 + cols)[None, :], mask=cm, other=0.0,
-                            cache_modifier=".cg").to(tl.float32)
-                w = tl.load(nw_ptr + c0 + cols, mask=c_ok, other=0.0).to(tl.float32)
+                if c0 == 0:  # the first chunk was loaded with the shares (one round trip for both)
+                    h = h0
+                    w = w0
+                else:
+                    h = tl.load(out_ptr + rr[:, None] * so + (c0 + cols)[None, :], mask=cm, other=0.0,
+                                cache_modifier=".cg").to(tl.float32)
+                    w = tl.load(nw_ptr + c0 + cols, mask=c_ok, other=0.0).to(tl.float32)
                 tl.store(y_ptr + rr[:, None] * sy + (c0 + cols)[None, :],
                          (h * rstd_r[:, None] * (1.0 + w[None, :])).to(ACT), mask=cm)
             tl.store(tick_ptr + n_tiles, 0)
@@ -316,14 +341,15 @@ def _skinny_program(
         acc = acc * tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if EPI == 1:
             acc_u = acc_u * tl.load(rs_ptr + N + offs_n, mask=n_ok, other=0.0)[None, :]
+    res, add, gate = _epilogue_inputs(rows, m_ok, offs_n, n_ok, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres,
+                                      EPI, HAS_RES, BLOCK_M, BLOCK_N, ACT, ADD_GROUP, ADD_SPLITS)
     last = True
     if SPLIT_MAX > 1:
         last, acc, acc_u = _split_reduce(acc, acc_u, rows, m_ok, offs_n, n_ok, ws_ptr, tick_ptr, pid_n, pid_k,
                                          n_split, N, EPI == 1, BLOCK_M, SPLIT_MAX)
     if last:
-        _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres,
-                nw_ptr, y_ptr, sy, tick_ptr, sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr,
-                CC, EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT, RM, KCP, ADD_GROUP, ADD_SPLITS)
+        _finish(acc, acc_u, rows, m_ok, offs_n, n_ok, out_ptr, so, res, add, gate, nw_ptr, y_ptr, sy, tick_ptr,
+                sumsq_ptr, pid_n, n_tiles, M, N, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC, EPI, HAS_RES, ROW_NORM, KC, BLOCK_M, BLOCK_R, ACT, RM, KCP, ADD_GROUP, ADD_SPLITS)
 
 
 @triton.jit

@@ -9,7 +9,8 @@ Triton kernels on CUDA tensors (linrnn_kernels.dispatch.use_triton), the naive r
   route_align(x [T, K], gate_w: WeightTensor [E (+ shared gate), K], E, top_k, renormalize, shared_w13=None)
       -> (logits [T, NL] in x.dtype, topk_weights in x.dtype, topk_ids, alignment or None, h or None):
       the whole router; decode-sized batches run it as one kernel (router_fused.py, whose alignment the
-      expert pipeline then reuses; with shared_w13 it also returns the shared expert's SiLU(gate)*up h),
+      expert pipeline then reuses: pair blocks where the MMA kernel takes one block per expert, <= 8 tokens,
+      align.py; with shared_w13 it also returns the shared expert's SiLU(gate)*up h),
       else the gate GEMM, route() and a cast (h None: the caller computes it)
 Modules: router.py (softmax/top-k), router_fused.py (gate GEMM + routing + alignment), align.py (expert-sorted blocks), grouped_gemm.py (the one
 GEMM kernel for dense / fp8 / nvfp4 weights, also behind linrnn_kernels.quant.linear), experts.py
@@ -61,12 +62,15 @@ def route_align(x, gate_w, num_experts: int, top_k: int, renormalize: bool, shar
 
         block_m = (experts.alignment_block_m(x, top_k, *experts_w) if experts_w is not None
                    else experts.expert_block_m(M, top_k, num_experts))
+        # pair blocks (a shorter serial tail) where the experts take them: distinct ids per token, so not for
+        # expert-parallel layers (experts_w None there: they re-align their local ids)
+        pair_blocks = experts_w is not None and experts.takes_pair_blocks(x, top_k, *experts_w)
         shared = shared_w13 if shared_w13 is not None and shared_w13.fmt == "dense" else None
         n_all = gate_w.out_features + (shared.out_features // 2 if shared is not None else 0)
         cfg = gemv_config.router_config(M, n_all, gate_w.in_features, x.device)
         logits, w, ids, (sorted_ids, expert_ids, num_padded), h = router_fused.route_align(
-            x, gate_w, num_experts, top_k, renormalize, block_m, cfg, shared_w13=shared)
-        return logits, w, ids, experts.Alignment(sorted_ids, expert_ids, num_padded, block_m), h
+            x, gate_w, num_experts, top_k, renormalize, block_m, cfg, shared_w13=shared, pair_blocks=pair_blocks)
+        return logits, w, ids, experts.Alignment(sorted_ids, expert_ids, num_padded, block_m, pair_blocks), h
     logits = fused_linear(x, gate_w)
     w, ids = route(logits[:, :num_experts], top_k, renormalize, weight_dtype=x.dtype)
     return logits, w, ids, None, None

@@ -14,6 +14,13 @@ and each wastes fewer than BLOCK_M rows.
 One program per expert: each counts all experts (histogram) to get its own offset, then scans the
 pairs again to place its own ones (rank = running count of earlier matches). Both passes read the
 ids from L2 (P * 4 bytes each); no atomics, so the order is deterministic.
+
+Pair blocks (`moe_pair_blocks`, decode batches of T <= BLOCK_M tokens with distinct experts per token, as
+top-k gives): the same three outputs, but block b is pair b and token n sits in slot n: sorted_ids[b * BLOCK_M
++ n] = token n's pair with expert ids[b] (or the sentinel P), expert_ids[b] = ids[b] for the first pair of its
+expert (no earlier token routes to it), else -1 (the block is skipped), num_padded = P * BLOCK_M. No histogram,
+cumsum or ranks: a [P, T, k] comparison in registers, cheap enough for the fused router's serial tail. A GEMM
+over expert blocks gives every token the same result in either form (its MMA column sees the same rows).
 """
 from __future__ import annotations
 
@@ -89,4 +96,55 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         ids, sorted_ids, expert_ids, num_padded, P, num_experts, max_blocks,
         BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_P=min(1024, max(16, triton.next_power_of_2(P))), num_warps=4)
+    return sorted_ids, expert_ids, num_padded
+
+
+@triton.jit
+def pair_blocks_tile(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Pair blocks (module docstring) of ids [M <= BLOCK_M, TOP_K] in one program; shared with the fused router."""
+    P = M * TOP_K
+    b = tl.arange(0, BLOCK_P)
+    b_ok = b < P
+    e = tl.load(ids_ptr + b, mask=b_ok, other=-1)
+    n = tl.arange(0, BLOCK_M)
+    j = tl.arange(0, BLOCK_K)
+    nj_ok = (n < M)[:, None] & (j < TOP_K)[None, :]
+    pair_nj = n[:, None] * TOP_K + j[None, :]
+    ids_nj = tl.load(ids_ptr + pair_nj, mask=nj_ok, other=-1)
+    hit = (ids_nj[None, :, :] == e[:, None, None]) & nj_ok[None, :, :]  # [blocks, token slots, k]
+    found = tl.max(hit.to(tl.int32), axis=2)
+    pairs = tl.where(found > 0, tl.sum(tl.where(hit, pair_nj[None, :, :], 0), axis=2), P)
+    earlier = tl.sum(tl.where(n[None, :] < (b // TOP_K)[:, None], found, 0), axis=1)
+    tl.store(expert_ids_ptr + b, tl.where(earlier == 0, e, -1), mask=b_ok)
+    tl.store(sorted_ptr + b[:, None] * BLOCK_M + n[None, :], pairs, mask=b_ok[:, None])
+    tl.store(num_padded_ptr, P * BLOCK_M)
+
+
+@triton.jit
+def _pair_blocks_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    pair_blocks_tile(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, BLOCK_P, BLOCK_K, BLOCK_M)
+
+
+MAX_PAIR_BLOCK_TOKENS = 16
+
+
+def moe_pair_blocks(topk_ids: torch.Tensor, block_m: int):
+    """(sorted_ids [P * block_m], expert_ids [P], num_padded [1]) as pair blocks (module docstring) for
+    topk_ids [T <= block_m, k] with distinct ids per token (a top-k's output; not expert-parallel local ids)."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
+    T, k = topk_ids.shape
+    if not 1 <= T <= block_m <= MAX_PAIR_BLOCK_TOKENS or block_m & (block_m - 1):
+        raise ValueError(f"pair blocks: {T} tokens in blocks of {block_m} (a power of two <= {MAX_PAIR_BLOCK_TOKENS})")
+    ids = topk_ids.to(torch.int32).contiguous()
+    P = T * k
+    dev = topk_ids.device
+    sorted_ids = torch.empty(P * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(P, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _pair_blocks_kernel[(1,)](ids, sorted_ids, expert_ids, num_padded, T, TOP_K=k,
+                              BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_K=triton.next_power_of_2(k),
+                              BLOCK_M=block_m, num_warps=4)
     return sorted_ids, expert_ids, num_padded

@@ -64,18 +64,23 @@ class Partials(NamedTuple):
 
 
 class Alignment(NamedTuple):
-    """moe_align_block_size's outputs computed ahead (the fused router), for block_m rows per block."""
+    """moe_align_block_size's outputs computed ahead (the fused router), for block_m rows per block;
+    pair_blocks: align.moe_pair_blocks' instead (block b = pair b, token n in slot n; the MMA kernel only)."""
 
     sorted_ids: torch.Tensor
     expert_ids: torch.Tensor
     num_padded: torch.Tensor
     block_m: int
+    pair_blocks: bool = False
 
 
-def aligned(topk_ids: torch.Tensor, num_experts: int, block_m: int, alignment: Alignment | None):
+def aligned(topk_ids: torch.Tensor, num_experts: int, block_m: int, alignment: Alignment | None,
+            pair_blocks_ok: bool = False):
     """(sorted_ids, expert_ids) for block_m-token expert blocks: the alignment computed ahead (e.g. by the
-    fused router) when it used the same block size, else moe_align_block_size."""
-    if alignment is not None and alignment.block_m == block_m:
+    fused router) when it used the same block size (and is expert-sorted, unless the caller takes pair
+    blocks), else moe_align_block_size."""
+    if (alignment is not None and alignment.block_m == block_m
+            and (pair_blocks_ok or not alignment.pair_blocks)):
         return alignment.sorted_ids, alignment.expert_ids
     sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, num_experts, block_m)
     return sorted_ids, expert_ids
@@ -105,7 +110,8 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     block_m (default: moe_configs); `nvfp4_path` = "asm" | "triton" | "dot_scaled" forces that
     grouped-GEMM decode; None or "mma" picks by batch: the MMA-fragment kernel for decode batches
     (packed weights, Hopper), bf16 dequantization for large ones, else nvfp4_gemm_path().
-    `alignment`: topk_ids already aligned (used when its block_m matches the path's: 8 for the MMA path).
+    `alignment`: topk_ids already aligned (used when its block_m matches the path's: 8 for the MMA path; pair
+    blocks only there).
     combine=False: return the uncombined Partials where the path has them (decode batches), else the output."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
@@ -221,6 +227,13 @@ def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     return out
 
 
+def takes_pair_blocks(x: torch.Tensor, top_k: int, w13: WeightTensor, w2: WeightTensor) -> bool:
+    """Whether moe_experts runs this batch on the MMA kernel in a single 8-token block per expert, so a router
+    may hand it pair blocks (align.moe_pair_blocks: a cheaper alignment, the same per-token results)."""
+    T, E = x.shape[0], w13.data.shape[0]
+    return _mma_decode(x, T * top_k, E, w13, w2) and T <= mma_tokens(T * top_k, E)
+
+
 def alignment_block_m(x: torch.Tensor, top_k: int, w13: WeightTensor, w2: WeightTensor) -> int:
     """The block_m moe_experts (default configs) aligns this batch's pairs to: a router that aligns
     ahead of time (router_fused) uses it, so the experts reuse its alignment instead of redoing it."""
@@ -268,7 +281,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     P = T * top_k
     tokens = tokens or mma_tokens(P, E)
-    sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment)
+    sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
     active = min(E, P)
     sms = nvfp4_mma.num_sms(x.device)

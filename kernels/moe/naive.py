@@ -64,6 +64,27 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
             torch.tensor(expert_ids, dtype=torch.int32, device=dev), len(sorted_ids))
 
 
+def moe_pair_blocks(topk_ids: torch.Tensor, block_m: int):
+    """Reference for align.moe_pair_blocks (T <= block_m tokens, distinct ids per token): block b = pair b;
+    sorted_ids[b * block_m + n] = token n's pair routed to expert ids[b] (else the sentinel P); expert_ids[b] =
+    ids[b] where no earlier token routes to that expert, else -1; num_padded = P * block_m."""
+    T, k = topk_ids.shape
+    P = T * k
+    flat = topk_ids.reshape(-1).long().tolist()
+    sorted_ids, expert_ids = [], []
+    for b, e in enumerate(flat):
+        slots = [P] * block_m
+        for n in range(T):
+            for j in range(k):
+                if flat[n * k + j] == e:
+                    slots[n] = n * k + j
+        sorted_ids += slots
+        expert_ids.append(e if all(flat[q] != e for q in range((b // k) * k)) else -1)
+    dev = topk_ids.device
+    return (torch.tensor(sorted_ids, dtype=torch.int32, device=dev),
+            torch.tensor(expert_ids, dtype=torch.int32, device=dev), P * block_m)
+
+
 def quantize_rows_nvfp4(x: torch.Tensor):
     """Reference for grouped_gemm.quantize_rows_nvfp4 (W4A4 activations): each row quantized as its
     own tensor with ModelOpt's NVFP4 rounding. Returns (codes [R, K/2], scales [R, K/16], gain [R])."""

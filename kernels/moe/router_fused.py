@@ -13,6 +13,10 @@ the pairs in one program, with no atomics on data, so the output is deterministi
   counts per expert (histogram) -> padded run starts (cumsum) -> sorted_ids filled with the sentinel
   P = M * k -> each pair p placed at start[e_p] + #{q < p : e_q = e_p} -> expert_ids of every block.
 The per-expert starts go through a small scratch buffer (a gather by expert id).
+pair_blocks (M <= block_m; what the MMA expert kernel takes at decode batches of <= 8 tokens): align.py's
+pair blocks instead, one [P, M, k] comparison in registers after the top-k (no histogram, cumsum, ranks or
+fills, one global round trip): a shorter serial tail. H200, 35B layer in the engine at 7d0ac74, the router's
+tail with the expert-sorted alignment: 8.1 / 13 us per call at 1 / 8 rows (the GEMM part ~2 us).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from linrnn_kernels.gemv.skinny import (
     pipeline_stages,
     tickets,
 )
-from linrnn_kernels.moe.align import max_padded_pairs
+from linrnn_kernels.moe.align import MAX_PAIR_BLOCK_TOKENS, max_padded_pairs, pair_blocks_tile
 from linrnn_kernels.moe.router import softmax_topk
 
 MAX_PAIRS = 512  # rows x top_k routed in the single finishing program
@@ -90,13 +94,27 @@ def _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr
 
 
 @triton.jit
+def _align(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K: tl.constexpr, E, max_blocks,
+           BLOCK_M_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr,
+           BLOCK_TOPK: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """The routed pairs' alignment in this program: align.py's pair blocks or its expert-sorted blocks."""
+    if PAIR_BLOCKS:
+        pair_blocks_tile(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, BLOCK_P, BLOCK_TOPK,
+                         BLOCK_M_ALIGN)
+    else:
+        _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M * TOP_K, E, max_blocks,
+                     BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
+
+
+@triton.jit
 def _router_program(pid_n, pid_k, n_tiles, n_split, x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                     tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                     M, NL, K, K_PER, E, max_blocks,
                     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
                     COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                    PAIR_BLOCKS: tl.constexpr):
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     m_ok = rows < M
@@ -119,8 +137,8 @@ def _router_program(pid_n, pid_k, n_tiles, n_split, x_ptr, sx, w_ptr, sw, ws_ptr
             tl.debug_barrier()
             _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, M, E, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_TOPK)
             tl.debug_barrier()
-            _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M * TOP_K, E, max_blocks,
-                         BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
+            _align(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, E, max_blocks,
+                   BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B, BLOCK_TOPK, PAIR_BLOCKS)
             tl.store(tick_ptr + n_tiles, 0)
 
 
@@ -133,7 +151,7 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                    COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     if PDL:  # the next kernel may launch now; the GEMM tiles wait for the previous one (gdc_wait) after
         gdc_launch_dependents()  # issuing their first weight loads
     pid_n = tl.program_id(0)
@@ -152,14 +170,15 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                         tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                         M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_MAX, USE_DOT, COMPUTE,
                         BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
-                        EVEN_K, PDL)
+                        EVEN_K, PDL, PAIR_BLOCKS)
 
 
 def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormalize: bool, block_m: int,
-                cfg: SkinnyConfig, shared_w13=None):
+                cfg: SkinnyConfig, shared_w13=None, pair_blocks: bool = False):
     """x [M, K], gate_w a dense WeightTensor [E (+ extra gate rows), K] ->
     (logits [M, NL] in x.dtype, topk_weights [M, k] in x.dtype, topk_ids [M, k] int32,
-     (sorted_ids, expert_ids, num_padded) as align.moe_align_block_size(topk_ids, E, block_m), h).
+     (sorted_ids, expert_ids, num_padded) as align.moe_align_block_size(topk_ids, E, block_m), h);
+    pair_blocks (M <= block_m): as align.moe_pair_blocks(topk_ids, block_m) instead.
     With shared_w13 (the shared expert's dense [gate; up] rows [2I, K]) the same launch also computes
     h = SiLU(x gate^T) * (x up^T) [M, I] (else h is None)."""
     M, K = x.shape
@@ -174,6 +193,7 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
     P = M * top_k
     if P > MAX_PAIRS or M > 32:
         raise ValueError(f"fused router handles up to 32 rows and {MAX_PAIRS} pairs, got {M} x {top_k}")
+    _check_pair_blocks(pair_blocks, M, block_m)
     dev = x.device
     block_mm = max(16 if cfg.use_dot else 1, triton.next_power_of_2(max(M, 1)))
     k_per = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -181,7 +201,7 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
     n_tiles = triton.cdiv(NL, cfg.block_n)
     if n_tiles + 1 > TICKETS:
         raise ValueError(f"{n_tiles} N tiles exceed the {TICKETS} tickets")
-    max_padded = max_padded_pairs(P, E, block_m)
+    max_padded = P * block_m if pair_blocks else max_padded_pairs(P, E, block_m)
     max_blocks = max_padded // block_m
     logits = torch.empty(M, NL, dtype=x.dtype, device=dev)
     topk_w = torch.empty(M, top_k, dtype=x.dtype, device=dev)
@@ -215,7 +235,7 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
             COMPUTE=_compute_dtype(x), BLOCK_M=block_mm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, EVEN_K=K % cfg.block_k == 0,
-            HAS_SHARED=shared_w13 is not None,
+            HAS_SHARED=shared_w13 is not None, PAIR_BLOCKS=pair_blocks,
             num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
     else:
         num_padded.zero_()
@@ -223,39 +243,48 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
     return logits, topk_w, topk_ids, (sorted_ids, expert_ids, num_padded), h
 
 
+def _check_pair_blocks(pair_blocks: bool, M: int, block_m: int) -> None:
+    if pair_blocks and not (M <= block_m <= MAX_PAIR_BLOCK_TOKENS and block_m & (block_m - 1) == 0):
+        raise ValueError(f"pair blocks: {M} rows in blocks of {block_m} (a power of two <= {MAX_PAIR_BLOCK_TOKENS})")
+
+
 @triton.jit
 def _route_align_kernel(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                         M, E, max_blocks, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
+                        BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, M, E, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_TOPK)
     tl.debug_barrier()
-    _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M * TOP_K, E, max_blocks,
-                 BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
+    _align(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, E, max_blocks,
+           BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B, BLOCK_TOPK, PAIR_BLOCKS)
 
 
 # route_align_logits: one warp routes and aligns; on the H200 the 4-8-warp program took 10 / 26 / 79 us at
 # 64 / 256 / 512 pairs (d444877), the one-warp one 4.5 / 22.5 us at 8 / 64 pairs (d2c705d; route + align
-# launches: 4.6 / 4.8 us): single tokens only
+# launches: 4.6 / 4.8 us): single tokens only (pair blocks: up to MAX_PAIR_BLOCK_TOKENS rows, 4 warps past 8 pairs:
+# one warp took ~40 us at 8 rows, H200 d935e44)
 LOGITS_MAX_PAIRS = 8
 
 
 def route_align_logits(logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, block_m: int,
-                       weight_dtype: torch.dtype):
-    """Routing and alignment from router logits [M, >= E] in one single-warp launch (M * top_k <=
-    LOGITS_MAX_PAIRS): (topk_weights [M, k] in weight_dtype, topk_ids [M, k] int32, (sorted_ids, expert_ids,
-    num_padded) as align.moe_align_block_size(topk_ids, E, block_m)). The MoE benchmark's decode layer
-    starts from logits; it routes through this as the engine's layer routes through the fused router."""
+                       weight_dtype: torch.dtype, pair_blocks: bool = False):
+    """Routing and alignment from router logits [M, >= E] in one launch (single-warp up to M * top_k <=
+    LOGITS_MAX_PAIRS, or pair_blocks): (topk_weights [M, k] in weight_dtype, topk_ids [M, k] int32, (sorted_ids,
+    expert_ids, num_padded) as align.moe_align_block_size(topk_ids, E, block_m), or with pair_blocks (M <=
+    block_m) as align.moe_pair_blocks(topk_ids, block_m)). The MoE benchmark's decode layer starts from logits;
+    it routes through this as the engine's layer routes through the fused router."""
     M = logits.shape[0]
     E = num_experts
     P = M * top_k
-    if logits.dim() != 2 or logits.shape[1] < E or not 1 <= top_k <= E or E > 1024 or P > LOGITS_MAX_PAIRS:
+    if (logits.dim() != 2 or logits.shape[1] < E or not 1 <= top_k <= E or E > 1024
+            or (P > LOGITS_MAX_PAIRS and not pair_blocks)):
         raise ValueError(f"route_align_logits: logits {tuple(logits.shape)}, E={E}, top_k={top_k}: needs "
-                         f"E <= 1024 and M * top_k <= {LOGITS_MAX_PAIRS}")
+                         f"E <= 1024 and M * top_k <= {LOGITS_MAX_PAIRS} (or pair blocks)")
+    _check_pair_blocks(pair_blocks, M, block_m)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     dev = logits.device
-    max_padded = max_padded_pairs(P, E, block_m)
+    max_padded = P * block_m if pair_blocks else max_padded_pairs(P, E, block_m)
     max_blocks = max_padded // block_m
     topk_w = torch.empty(M, top_k, dtype=weight_dtype, device=dev)
     topk_ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
@@ -269,7 +298,8 @@ def route_align_logits(logits: torch.Tensor, num_experts: int, top_k: int, renor
             logits, logits.stride(0), topk_w, topk_ids, starts, sorted_ids, expert_ids, num_padded,
             M, E, max_blocks, TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_M=block_mm,
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
-            BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, num_warps=1)
+            BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, PAIR_BLOCKS=pair_blocks,
+            num_warps=1 if P <= LOGITS_MAX_PAIRS else 4)
     else:
         num_padded.zero_()
         expert_ids.fill_(-1)
