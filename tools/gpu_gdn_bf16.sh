@@ -11,6 +11,10 @@
 #            with its LINRNN_GDN_BF16_WIDE=1 flag at B = 64, 128, 256
 #   tests    pytest -k "gpu_decode or partition_major" (compiled kernel vs the naive reference at 35B-A3B shapes;
 #            partition-major == natural order bit for bit)
+#   check    tools/gdn_bf16_check.py on $CONFIGS: vs the naive reference (NaN-poisoned unused slots) and vs the
+#            old kernel bit for bit, 0 / 50 / 100 % f32 heads, B = 1, 8, 64, 256
+#   sweep    linrnn_bench.kernels.gdn_decode_probe: old kernel and the $SWEEP variants side by side at 0 / 50 %
+#            f32 heads, B = 32, 64, 128, 256 (two interleaved passes, a size-matched copy per row)
 # Prints the tables; everything lands under $OUT/bf16.
 #   bash tools/gpu_gdn_bf16.sh [same,new,engine,old,tests]
 . tools/device_env.sh >/dev/null
@@ -20,6 +24,11 @@ mkdir -p $R
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 [ -f kernels/gdn/decode_main.py ] || cp benchmarks/results/kernels/gdn-decode/bf16_round/variants/decode_before.py.txt \
   kernels/gdn/decode_main.py
+EF=evict_first
+CONFIGS=${CONFIGS:-"[None, (64, 4, '$EF', '$EF', None, None, 2), (64, 4, '$EF', '$EF', 128, None, 4)]"}
+SWEEP=${SWEEP:-"[('decode_main', (64, 4, '$EF', '$EF')), ('decode', (64, 4, '$EF', '$EF', None, None, 2)),
+  ('decode', (64, 4, '$EF', '$EF', 168, None, 3)), ('decode', (64, 4, '$EF', '$EF', 160, None, 3)),
+  ('decode', (64, 4, '$EF', '$EF', 128, None, 4))]"}
 GDN="python3 -m linrnn_bench.kernels.gdn --prefill '' --no-peer --hybrid 0.5 --batches 1,8,32,64,128,256"
 if has same; then
   timeout 40 python3 - <<'PY' 2>&1 | grep -vE "Warning|warn" | tee $R/same.log
@@ -39,6 +48,15 @@ for f in (1.0, 0.5, 0.0):
                 and torch.equal(b0.view(torch.int16), bf.view(torch.int16)))
         print(f"{'ok' if same else 'FAIL'} f32 heads {f:.0%} B={B}: new == old bit for bit: {same}", flush=True)
 PY
+fi
+if has check; then
+  timeout 90 python3 tools/gdn_bf16_check.py --configs "$CONFIGS" 2>&1 | grep -vE "Warning|warn" | tee $R/check.log \
+    | grep -E "FAIL|Error|Traceback|False" | head -20
+  echo "check: $(grep -c '^ok' $R/check.log) ok, $(grep -c '^FAIL' $R/check.log) FAIL, $(grep -c 'bit: True' $R/check.log) bit-identical to old"
+fi
+if has sweep; then
+  timeout ${SWEEP_S:-200} python3 -m linrnn_bench.kernels.gdn_decode_probe --batches ${SWEEP_B:-128,64,256,32} \
+    --fractions 0.0,0.5 --variants "$SWEEP" --out $R/sweep 2>&1 | grep -vE "Warning|warn" | tee $R/sweep.log
 fi
 if has new; then
   eval timeout 50 $GDN --out $R/new 2>&1 | grep -vE "Warning|warn" | grep -E "^\| [0-9]|copy bandwidth|FAIL|Error" | tee $R/new.log
