@@ -3,8 +3,8 @@
 For every config in --configs (DecodeConfig tuples, python literal; None = decode_config's choice) at each
 fraction of f32 heads and B: (1) against the naive reference on fresh inputs with the unused slots
 NaN-poisoned (they must stay NaN), o / f32 / bf16 relative errors; (2) against the old kernel
-(linrnn_kernels.gdn.decode_main, its default config) on identical inputs: outputs and both partitions
-bit for bit, or the largest difference where they differ.
+(linrnn_kernels.gdn.decode_main) with the same tile shape and hints on identical inputs: outputs and both
+partitions bit for bit, or the largest difference where they differ.
     python tools/gdn_bf16_check.py --configs "[None, (64, 4, 'evict_first', 'evict_first', None, None, 2)]"
 """
 from __future__ import annotations
@@ -35,7 +35,9 @@ def main() -> None:
                 f32[dead], bf[dead] = float("nan"), float("nan")
                 f_ref, b_ref, f_old, b_old = f32.clone(), bf.clone(), f32.clone(), bf.clone()
                 o_ref = naive.gdn_decode(q, k, v, a, b, A_log, dt_bias, f_ref, b_ref, isb, loc, idx)
-                o_old = decode_main.gdn_decode(q, k, v, a, b, A_log, dt_bias, f_old, b_old, isb, loc, idx)
+                old_cfg = tuple(cfg[:4]) if cfg else None
+                o_old = decode_main.gdn_decode(q, k, v, a, b, A_log, dt_bias, f_old, b_old, isb, loc, idx,
+                                               config=old_cfg)
                 o = decode.gdn_decode(q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx, config=cfg)
                 live = idx.long()
                 e = (rel(o, o_ref), rel(f32[live], f_ref[live]) if f32.shape[1] else 0.0,
@@ -45,8 +47,11 @@ def main() -> None:
                 same = (torch.equal(o.view(torch.int16), o_old.view(torch.int16))
                         and torch.equal(f32.view(torch.int32), f_old.view(torch.int32))
                         and torch.equal(bf.view(torch.int16), b_old.view(torch.int16)))
-                diff = "" if same else (f" max |new - old|: o {(o.float() - o_old.float()).abs().max().item():.2e}"
-                                        f" bf16 {(bf[live].float() - b_old[live].float()).abs().max().item():.2e}")
+                diff = ""
+                if not same:
+                    d_bf = (bf[live].float() - b_old[live].float()).abs().max().item() if bf.shape[1] else 0.0
+                    diff = (f" max |new - old|: o {(o.float() - o_old.float()).abs().max().item():.2e} bf16 {d_bf:.2e}"
+                            f" (rel o {rel(o, o_old):.1e}, bf16 {rel(bf[live], b_old[live]) if bf.shape[1] else 0:.1e})")
                 print(f"{'ok' if ok else 'FAIL'} {cfg} f32 heads {f:.0%} B={B}: vs naive rel o/f32/bf16 "
                       f"{e[0]:.1e}/{e[1]:.1e}/{e[2]:.1e}, dead slots untouched={untouched}; "
                       f"== old kernel bit for bit: {same}{diff}", flush=True)

@@ -25,10 +25,10 @@ has() { [[ ",$STAGES," == *",$1,"* ]]; }
 [ -f kernels/gdn/decode_main.py ] || cp benchmarks/results/kernels/gdn-decode/bf16_round/variants/decode_before.py.txt \
   kernels/gdn/decode_main.py
 EF=evict_first
-CONFIGS=${CONFIGS:-"[None, (64, 4, '$EF', '$EF', None, None, 2), (64, 4, '$EF', '$EF', 128, None, 4)]"}
-SWEEP=${SWEEP:-"[('decode_main', (64, 4, '$EF', '$EF')), ('decode', (64, 4, '$EF', '$EF', None, None, 2)),
-  ('decode', (64, 4, '$EF', '$EF', 168, None, 3)), ('decode', (64, 4, '$EF', '$EF', 160, None, 3)),
-  ('decode', (64, 4, '$EF', '$EF', 128, None, 4))]"}
+CONFIGS=${CONFIGS:-"[None, (64, 4, '$EF', '$EF', 128, None, 4, 3), (64, 4, '$EF', '$EF', 128, None, 3, 4)]"}
+SWEEP=${SWEEP:-"[('decode_main', (64, 4, '$EF', '$EF')), ('decode', (64, 4, '$EF', '$EF', 128, None, 4, 3)),
+  ('decode', (64, 4, '$EF', '$EF', 128, None, 3, 4)), ('decode', (64, 4, '$EF', '$EF', 128, None, 2, 4)),
+  ('decode', (64, 4, '$EF', '$EF', None, None, 3, 3)), ('decode', (64, 4, '$EF', '$EF', 128, None, 4, 2))]"}
 GDN="python3 -m linrnn_bench.kernels.gdn --prefill '' --no-peer --hybrid 0.5 --batches 1,8,32,64,128,256"
 if has same; then
   timeout 40 python3 - <<'PY' 2>&1 | grep -vE "Warning|warn" | tee $R/same.log

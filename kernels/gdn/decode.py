@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 from linrnn_kernels.gdn.common import (
     check_pools,
     check_qkv,
@@ -47,7 +48,8 @@ class DecodeConfig(NamedTuple):
     "" for none (ptxas takes one of the two kinds per access); maxnreg: register cap per thread;
     partition_major: program order (None: partition-major exactly when both partitions hold heads, or when
     the bf16 partition is persistent); bf16_persistent: 0 = one bf16 tile per program, n > 0 = n bf16 programs
-    per SM, each looping over bf16 tiles with the next tile's state load in flight during the current update."""
+    per SM, each looping over bf16 tiles with the next bf16_stages - 1 tiles' state (TMA loads into shared
+    memory) in flight during the current update."""
     bv: int
     num_warps: int
     load: str = ""
@@ -55,6 +57,7 @@ class DecodeConfig(NamedTuple):
     maxnreg: int | None = None
     partition_major: bool | None = None
     bf16_persistent: int = 0
+    bf16_stages: int = 3
 
 
 @triton.jit
@@ -159,53 +162,36 @@ def _tile_coords(p, n_heads, NV: tl.constexpr):
 
 
 @triton.jit
-def _tile_base(p, n_heads, state_indices, stride_slot, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               BV: tl.constexpr):
-    """Element offset of tile p's column 0 in its partition pool."""
-    i_b, j, i_v = _tile_coords(p, n_heads, NV)
-    slot = tl.load(state_indices + i_b).to(tl.int64)
-    return slot * stride_slot + j.to(tl.int64) * (DK * DV) + i_v * BV
-
-
-@triton.jit
-def _bf16_persistent(p0, n_programs, n_tiles, n_heads, stride_slot, pool, q, k, v, a, b, A_log, dt_bias, o,
-                     head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                     stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale,
+def _bf16_persistent(p0, n_programs, n_tiles, n_heads, state_desc, q, k, v, a, b, A_log, dt_bias, o, head_is_bf16,
+                     head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+                     stride_v_head, stride_a_tok, stride_b_tok, scale,
                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                     LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
-                     STORE_CACHE: tl.constexpr):
-    """bf16 tiles p0, p0 + n_programs, ... of the bf16 partition, software-pipelined by hand: the next tile's
-    state (packed bf16, half the registers of the f32 tile being updated) is loaded before the current update,
-    so each program keeps a tile in flight while it computes; the tile math is _tile_update, as unpipelined."""
+                     STAGES: tl.constexpr):
+    """bf16 tiles p0, p0 + n_programs, ... through a TMA descriptor of the bf16 pool as [slots * heads * DK, DV]
+    rows: Triton's software pipeline keeps the next STAGES - 1 tiles' loads in flight in shared memory while a
+    tile is updated, so a program's bytes in flight no longer depend on its registers; the updated tile goes
+    back by a TMA store. The tile math is _tile_update, as in the one-tile programs."""
     NV: tl.constexpr = DV // BV
-    tile = tl.max_contiguous(tl.arange(0, DK)[:, None] * DV + tl.arange(0, BV)[None, :], [1, 4])
-    base_n = _tile_base(p0, n_heads, state_indices, stride_slot, NV, DK, DV, BV)
-    s_n = tl.load(pool + base_n + tile, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE)
-    for p in tl.range(p0, n_tiles, n_programs, num_stages=1):  # no Triton pipelining: its cp.async ring took
-        s, base = s_n, base_n                                   # 230-250 registers for this loop
-        more = tl.full(tile.shape, p + n_programs, tl.int32) < n_tiles  # a uniform mask (tensor: the interpreter)
-        # past the last tile: a valid row's slot index (tiny), and no state load
-        base_n = _tile_base(tl.minimum(p + n_programs, n_tiles - 1), n_heads, state_indices, stride_slot, NV, DK, DV,
-                            BV)
-        s_n = tl.load(pool + base_n + tile, mask=more, other=0.0, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE)
+    for p in tl.range(p0, n_tiles, n_programs, num_stages=STAGES):
         i_b, j, i_v = _tile_coords(p, n_heads, NV)
+        row = (tl.load(state_indices + i_b) * n_heads + j) * DK
+        s = state_desc.load([row, i_v * BV]).to(tl.float32)
         i_h = _natural_head(head_is_bf16, head_local, j, True, HV)
-        s = _tile_update(s.to(tl.float32), q, k, v, a, b, A_log, dt_bias, o, i_b, i_h, i_h // GROUP,
-                         i_v * BV + tl.arange(0, BV), stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                         stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale, HV, DK, DV)
-        tl.store(pool + base + tile, s.to(pool.dtype.element_ty), eviction_policy=STORE_EVICT,
-                 cache_modifier=STORE_CACHE)
+        s = _tile_update(s, q, k, v, a, b, A_log, dt_bias, o, i_b, i_h, i_h // GROUP, i_v * BV + tl.arange(0, BV),
+                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                         stride_a_tok, stride_b_tok, scale, HV, DK, DV)
+        state_desc.store([row, i_v * BV], s.to(tl.bfloat16))
 
 
 @triton.jit
 def _gdn_decode_kernel(
     q, k, v, a, b, A_log, dt_bias,
-    ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
+    ssm_f32, ssm_bf16, bf16_desc, head_is_bf16, head_local, state_indices, o,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_a_tok, stride_b_tok, stride_f32_slot, stride_bf16_slot,
     n_f32_heads, n_bf16_heads, n_f32_programs, n_bf16_tiles, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    PARTITION_MAJOR: tl.constexpr, BF16_PERSISTENT: tl.constexpr,
+    PARTITION_MAJOR: tl.constexpr, BF16_STAGES: tl.constexpr,
     LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
@@ -218,12 +204,11 @@ def _gdn_decode_kernel(
                                head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
                                stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale, HV, GROUP,
                                DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
-        elif BF16_PERSISTENT:
+        elif BF16_STAGES > 0:
             _bf16_persistent(pid - n_f32_programs, tl.num_programs(0) - n_f32_programs, n_bf16_tiles, n_bf16_heads,
-                             stride_bf16_slot, ssm_bf16, q, k, v, a, b, A_log, dt_bias, o, head_is_bf16, head_local,
-                             state_indices, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
-                             stride_v_head, stride_a_tok, stride_b_tok, scale, HV, GROUP, DK, DV, BV, LOAD_EVICT,
-                             LOAD_CACHE, STORE_EVICT, STORE_CACHE)
+                             bf16_desc, q, k, v, a, b, A_log, dt_bias, o, head_is_bf16, head_local, state_indices,
+                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                             stride_a_tok, stride_b_tok, scale, HV, GROUP, DK, DV, BV, BF16_STAGES)
         else:
             _partition_program(pid - n_f32_programs, n_bf16_heads, stride_bf16_slot, ssm_bf16, True, q, k, v, a, b,
                                A_log, dt_bias, o, head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head,
@@ -296,20 +281,22 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
     cfg = DecodeConfig(*(config or decode_config(B, Hv, Dk, Dv, q.device)))
     nf, nb = ssm_f32.shape[1], ssm_bf16.shape[1]
     nv = Dv // cfg.bv
-    persistent = cfg.bf16_persistent if nb > 0 else 0
+    # the TMA descriptor sees the bf16 pool as [slots * heads * Dk, Dv] rows: contiguous pools only
+    persistent = cfg.bf16_persistent if nb > 0 and ssm_bf16.is_contiguous() and ssm_bf16.data_ptr() % 16 == 0 else 0
     partition_major = (nf > 0 and nb > 0 or persistent > 0) if cfg.partition_major is None else cfg.partition_major
     if persistent and not partition_major:
         raise ValueError("persistent bf16 programs need the partition-major program order")
     n_f32_programs, n_bf16_tiles = B * nf * nv, B * nb * nv
     n_bf16_programs = min(n_bf16_tiles, persistent * num_sms(q.device.index or 0)) if persistent else n_bf16_tiles
+    desc = TensorDescriptor.from_tensor(ssm_bf16.view(-1, Dv), [Dk, cfg.bv]) if persistent else None
     _gdn_decode_kernel[(n_f32_programs + n_bf16_programs,)](
         q, k, v, a, b, A_log, dt_bias,
-        ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
+        ssm_f32, ssm_bf16, desc, head_is_bf16, head_local, state_indices, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
         nf, nb, n_f32_programs, n_bf16_tiles, Dk ** -0.5,
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=bool(partition_major),
-        BF16_PERSISTENT=persistent > 0,
+        BF16_STAGES=cfg.bf16_stages if persistent else 0,
         **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return o
