@@ -224,6 +224,17 @@ def test_decode_persistent_bf16_matches_reference(poison_empty, monkeypatch, kin
                             config=(16, 2, "", "", None, False, per_sm))
 
 
+def test_decode_config_persistent_knob(monkeypatch):
+    """LINRNN_GDN_BF16_PERSISTENT="P,S" gives the [Dk, 64] configs P persistent bf16 programs per SM with S stages;
+    unset (the default) or at small batch the configs are unchanged."""
+    cpu = torch.device("cpu")
+    assert decode_k.decode_config(128, 32, 128, 128, cpu) == decode_k.DecodeConfig(64, 4, "evict_first", "evict_first")
+    monkeypatch.setenv("LINRNN_GDN_BF16_PERSISTENT", "4,3")
+    cfg = decode_k.decode_config(128, 32, 128, 128, cpu)
+    assert (cfg.bv, cfg.bf16_persistent, cfg.bf16_stages) == (64, 4, 3)
+    assert decode_k.decode_config(1, 32, 128, 128, cpu).bf16_persistent == 0
+
+
 def decode_rows_are_independent(shape, device):
     """With one launch config, each row's output and state bytes are the same whether it runs alone,
     in a small batch or in a large one: rows never interact (decode_config may pick another tile
@@ -420,6 +431,14 @@ def test_gpu_decode_full_shapes(poison_empty, B, kind, dtype):
 def test_gpu_decode_tile_configs(poison_empty, config):
     """Every DecodeConfig the benchmark sweeps is correct."""
     run_decode(FULL, 8, "0.5", torch.float32, "cuda", config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["0.5", "bf16"])
+@pytest.mark.parametrize("config", [c for c in DECODE_SWEEP if len(c) > 6])
+def test_gpu_decode_persistent_bf16_full_shapes(poison_empty, kind, config):
+    """Persistent TMA-pipelined bf16 programs at 35B-A3B shapes, B = 64: each program loops over ~8 tiles."""
+    run_decode(FULL, 64, kind, torch.float32, "cuda", config=config)
 
 
 @pytest.mark.gpu

@@ -46,10 +46,12 @@ C = 2 * HK * DK + HV * DV
 ACT = torch.bfloat16
 DEVICE = "cuda"
 L2_ROTATE_BYTES = 256 << 20
-# DecodeConfig tuples: (bv, num_warps[, load hint[, store hint[, maxnreg]]])
+# DecodeConfig tuples: (bv, num_warps[, load hint[, store hint[, maxnreg[, partition_major[, bf16 programs per SM
+# (persistent, TMA-pipelined bf16 partition)[, their pipeline stages]]]]]])
 EF = "evict_first"
 DECODE_SWEEP = [(16, 2), (32, 4), (64, 4), (16, 2, EF, EF), (32, 2, EF, EF), (32, 4, EF, EF), (64, 4, EF, EF),
-                (64, 4, EF, ".cs"), (64, 4, ".cg", EF), (64, 4, EF, EF, 112), (64, 2, EF, EF), (128, 4, EF, EF)]
+                (64, 4, EF, ".cs"), (64, 4, ".cg", EF), (64, 4, EF, EF, 112), (64, 2, EF, EF), (128, 4, EF, EF),
+                (64, 4, EF, EF, None, None, 4, 3), (64, 4, EF, EF, None, None, 3, 4)]
 PREFILL_SWEEP = [{}, {"state_bv": 32}, {"state_bv": 64}, {"state_warps": 8}, {"state_stages": 3},
                  {"state_stages": 1}, {"wy_warps": 8}, {"output_bv": 32}, {"output_bv": 128, "output_warps": 8},
                  {"output_warps": 8}]
@@ -372,6 +374,7 @@ def resources() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from linrnn_kernels.gdn import conv, decode, prefill
 
@@ -387,7 +390,8 @@ def resources() -> None:
 
     def compile_and_report(label, fn, grid, args, kw):
         kw = dict(kw)
-        opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+        opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
+        opts = {k: v for k, v in opts.items() if v is not None}
         sig, consts, attrs = {}, {}, {}
         for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
             if p.is_constexpr:
@@ -396,6 +400,10 @@ def resources() -> None:
             v = args[i] if i < len(args) else kw[name]
             if isinstance(v, torch.Tensor):
                 sig[name], attrs[(i,)] = "*" + dtypes[v.dtype], [["tt.divisibility", 16]]
+            elif v is None:
+                sig[name], consts[(i,)] = "constexpr", None
+            elif isinstance(v, TensorDescriptor):
+                sig[name] = f"tensordesc<{dtypes[v.base.dtype]}{list(v.block_shape)}>"
             elif isinstance(v, int) and v == 1:
                 sig[name], consts[(i,)] = "constexpr", 1
             elif isinstance(v, int):

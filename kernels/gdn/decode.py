@@ -23,9 +23,20 @@ f32 heads, B = 128: 114.4 instead of 118.1 us per layer call (84.2 vs 81.5 % of 
 tiles of a head stay adjacent in the order: reading the two halves of each state row far apart in time
 costs 6-8 points of bandwidth (DRAM pages reopened). The bf16 partition itself stays at ~77 % of copy
 (all-f32: ~90 %); benchmarks/results/kernels/gdn-decode/bf16_round/ records the variants tried against it.
+
+Persistent bf16 programs (DecodeConfig.bf16_persistent, off by default until timed; LINRNN_GDN_BF16_PERSISTENT
+in decode_config): a one-tile bf16 program is latency-bound (half an f32 program's bytes for the same
+instructions and reductions, 4 programs per SM at 128 registers), so instead P programs per SM each loop over
+bf16 tiles, loading them through a TMA descriptor of the bf16 pool with Triton's software pipeline: the next
+tiles' state waits in shared memory while a tile is updated, so the bytes in flight per SM no longer depend on
+registers. A register double buffer (the next tile in packed-bf16 registers) measured 56-64 % of copy instead
+of 77 % (183 registers, 2-3 programs per SM: benchmarks/results/kernels/gdn-decode/bf16_round2/). The TMA
+tile arrives in another register layout ([1, 8] elements per thread instead of [1, 4]), which reorders the
+Dk sums of bf16 heads; f32 heads and the default path compile to the same code as before.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -49,7 +60,7 @@ class DecodeConfig(NamedTuple):
     partition_major: program order (None: partition-major exactly when both partitions hold heads, or when
     the bf16 partition is persistent); bf16_persistent: 0 = one bf16 tile per program, n > 0 = n bf16 programs
     per SM, each looping over bf16 tiles with the next bf16_stages - 1 tiles' state (TMA loads into shared
-    memory) in flight during the current update."""
+    memory) in flight during the current update (register cap 128 unless maxnreg says otherwise)."""
     bv: int
     num_warps: int
     load: str = ""
@@ -251,9 +262,16 @@ def decode_config(B: int, Hv: int, Dk: int, Dv: int, device) -> DecodeConfig:
     order of the Dk reduction, so a row's low bits depend on B through this choice; the engine runs
     every decode step, graphed or eager, at its bucket size, so graphs on == off stays bit-exact. The
     state is read once and written once per step and next touched a whole forward pass later:
-    evict_first keeps it from pushing weights and activations out of L2 (+4-6 points of bandwidth)."""
+    evict_first keeps it from pushing weights and activations out of L2 (+4-6 points of bandwidth).
+
+    LINRNN_GDN_BF16_PERSISTENT="P,S" (off by default: not yet timed on a GPU) gives the [Dk, 64] configs
+    persistent TMA-pipelined bf16 programs, P per SM with S pipeline stages (DecodeConfig.bf16_persistent)."""
     sms = num_sms(device.index or 0) if device.type == "cuda" else 132
     if Dv >= 64 and B * Hv * (Dv // 64) >= 8 * sms:
+        persistent = os.environ.get("LINRNN_GDN_BF16_PERSISTENT", "0")
+        if persistent != "0":
+            per_sm, stages = (int(x) for x in persistent.split(","))
+            return DecodeConfig(64, 4, "evict_first", "evict_first", None, None, per_sm, stages)
         bv, warps = 64, 4
     elif Dv >= 32 and B * Hv * (Dv // 32) >= 2 * sms:
         bv, warps = 32, 2
@@ -289,6 +307,9 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
     n_f32_programs, n_bf16_tiles = B * nf * nv, B * nb * nv
     n_bf16_programs = min(n_bf16_tiles, persistent * num_sms(q.device.index or 0)) if persistent else n_bf16_tiles
     desc = TensorDescriptor.from_tensor(ssm_bf16.view(-1, Dv), [Dk, cfg.bv]) if persistent else None
+    maxnreg = cfg.maxnreg
+    if persistent and maxnreg is None:  # the bf16 loop alone takes 168 (sm_90, no spills at 128): keep the f32
+        maxnreg = 128                   # programs of the launch at 4 per SM
     _gdn_decode_kernel[(n_f32_programs + n_bf16_programs,)](
         q, k, v, a, b, A_log, dt_bias,
         ssm_f32, ssm_bf16, desc, head_is_bf16, head_local, state_indices, o,
@@ -297,6 +318,6 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
         nf, nb, n_f32_programs, n_bf16_tiles, Dk ** -0.5,
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=bool(partition_major),
         BF16_STAGES=cfg.bf16_stages if persistent else 0,
-        **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=maxnreg,
     )
     return o
