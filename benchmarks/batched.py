@@ -255,7 +255,6 @@ def prefill_all(eng, max_steps: int) -> int:
         steps += 1
         if steps > max_steps:
             raise RuntimeError(f"prefill did not finish in {max_steps} steps ({len(sch.waiting)} waiting)")
-    eng.drain()  # the first tokens, if their step was overlapped (async_scheduling_prefill): nothing in flight
     return steps
 
 
@@ -283,7 +282,6 @@ def measure(eng, npp: int, ntg: int, npl: int, seed: int, tag: str, structured: 
         eng.step_requests()
     _sync(eng)
     t_tg = time.perf_counter() - t0
-    eng.drain()  # the last decode step's tokens (overlapped steps), outside the timed window
     decoded = sch.stats.generation_tokens - gen0
     preempted = sch.stats.num_preemptions - pre0
     comm = measure_comm(eng, npl)

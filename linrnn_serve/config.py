@@ -297,8 +297,6 @@ class EngineConfig:
     allow_long_max_model_len: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # chunked-prefill token budget per step
-    # while prompts wait for prefill, running decodes sit out at most this many steps in a row (0: never)
-    max_decode_pause_steps: int = 0
     gpu_memory_utilization: float = 0.90
     block_size: int = 16
     enforce_eager: bool = False  # no CUDA graphs
@@ -333,5 +331,3 @@ class EngineConfig:
     # overlapped steps (vLLM's async scheduling): step N+1 is scheduled and launched before step N's sampled ids
     # reach the host. None: on for CUDA, off on the CPU (where the forward runs on the host and nothing overlaps)
     async_scheduling: bool | None = None
-    # overlap steps that run prefills too (False: such a step completes before the next is scheduled)
-    async_scheduling_prefill: bool = True

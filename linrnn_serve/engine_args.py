@@ -168,11 +168,6 @@ class EngineArgs:
                                         "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 too)", action="store_true")
     max_num_seqs: int = _f(64, "sequences in the running batch", type=_positive_int)
     max_num_batched_tokens: int = _f(2048, "tokens per engine step (chunked-prefill budget)", type=human_int)
-    max_decode_pause_steps: int = _f(0, "prefill first: while prompts wait for their prefill, steps run the prefills "
-                                     "alone, a running sequence's decode sitting out at most N steps in a row (as "
-                                     "vLLM V0 / SGLang schedule prefill first); 0 (default): decodes run every step. "
-                                     "Measured slower on the multi-turn prefix workload (benchmarks/results/prefix)",
-                                     type=int, metavar="N")
     max_queue_len: int = _f(1024, "requests waiting for admission; beyond this the server answers 503",
                             type=_positive_int)
     gpu_memory_utilization: float = _f(0.90, "fraction of GPU memory for weights, activations and caches",
@@ -186,10 +181,6 @@ class EngineArgs:
     async_scheduling: bool | None = _f(None, "overlapped steps: schedule and launch step N+1 before step N's "
                                        "sampled ids reach the host (default: on for CUDA, off on the CPU)",
                                        action=argparse.BooleanOptionalAction)
-    async_scheduling_prefill: bool = _f(True, "with overlapped steps, overlap the steps that run prefills too "
-                                        "(default); --no-async-scheduling-prefill: such a step completes before the "
-                                        "next is scheduled, so requests arriving meanwhile join the next step",
-                                        action=argparse.BooleanOptionalAction)
     enable_prefix_caching: bool | None = _f(None, "reuse the cached state / KV of a shared prompt prefix "
                                             "(exact, any length; recurrent-state snapshots)",
                                             action=argparse.BooleanOptionalAction)
@@ -283,8 +274,6 @@ class EngineArgs:
         if self.enable_chunked_prefill is False:
             raise ValueError("--no-enable-chunked-prefill: prefill is always chunked here; bound it with "
                              "--max-num-batched-tokens")
-        if self.max_decode_pause_steps < 0:
-            raise ValueError(f"--max-decode-pause-steps must be >= 0, got {self.max_decode_pause_steps}")
         if not 0 <= self.max_logprobs:
             raise ValueError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
@@ -297,8 +286,6 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max(human_int(self.max_num_batched_tokens), self.max_num_seqs),
             gpu_memory_utilization=self.gpu_memory_utilization, block_size=self.block_size,
             enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
-            async_scheduling_prefill=bool(self.async_scheduling_prefill),
-            max_decode_pause_steps=self.max_decode_pause_steps,
             ssm_bf16_tau=float(self.ssm_bf16_tau),
             ssm_calibration=self.ssm_calibration, seed=self.seed, max_queue_len=self.max_queue_len,
             served_model_name=self.served_model_name[0] if self.served_model_name else None,

@@ -7,14 +7,6 @@ Plain Python (no tensors). Each step:
    (`max_num_batched_tokens`, decode tokens included);
 3. waiting sequences are admitted in priority order while a state slot, budget and KV blocks remain.
 
-Prefill first (`max_decode_pause_steps` K > 0; off by default): while prompt tokens wait (a
-sequence mid-prefill, or a waiting one with a free slot), step 1 leaves out the decodes, so the step
-runs one prefill forward instead of a decode forward plus a prefill forward and the prompts' first
-tokens come sooner (a burst of arrivals is prefilled in fewer, shorter steps). No decode sits out more
-than K steps in a row: one that has gets its row even then. Paused sequences keep their place (they
-are not preemption victims for this step's prefills); if the step ends up with no prefill (no KV
-blocks, say), the paused decodes run after all.
-
 Priority is arrival order (then sample index). When a sequence needs a KV block (a new page, or a
 copy of a page it shares) and none is free, the lowest-priority running sequence not yet scheduled
 in this step is preempted by *recompute*: its slot and blocks are freed and it goes back to the
@@ -110,7 +102,6 @@ class Sequence:
         # the runner's per-slot penalty statistics hold this sequence's tokens (since its last slot assignment)
         self.penalty_stats_sent = False
         self.max_len: int | None = None  # prompt + output limit (Scheduler.max_len_for), set at add
-        self.decode_pauses = 0  # steps in a row its decode sat out for prefills (max_decode_pause_steps)
 
     @property
     def priority(self) -> tuple[int, int]:
@@ -184,8 +175,6 @@ class SchedulerConfig:
     block_size: int
     # admit new work only while this fraction of KV blocks stays free (fewer immediate preemptions)
     watermark: float = 0.01
-    # while prompts wait for prefill, a running decode sits out at most this many steps in a row (0: never)
-    max_decode_pause_steps: int = 0
 
 
 @dataclass
@@ -294,22 +283,21 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        # prefill first (a time-to-first-token policy): while prompts wait for their prefill, the running
-        # decodes sit out, each at most max_decode_pause_steps steps in a row (their bound against starvation)
-        paused: list[Sequence] = []
-        pause = self.cfg.max_decode_pause_steps > 0 and self._prefill_pending()
         for seq in list(self.running):  # 1. decodes
             if seq.status is not SeqStatus.RUNNING or not seq.decode_ready:
                 continue
             if len(seq.token_ids) + seq.num_inflight >= seq.max_len:
                 continue  # its last token is in flight: it finishes ("length") when that token arrives
-            if pause and seq.decode_pauses < self.cfg.max_decode_pause_steps:
-                paused.append(seq)
-                scheduled.add(seq.seq_id)  # not preempted for this step's prefills (as if it decoded)
-                continue
             if budget < 1:
                 break
-            budget -= self._schedule_decode(seq, plan, scheduled)
+            if not self._reserve(seq, 1, plan, scheduled):
+                continue
+            scheduled.add(seq.seq_id)
+            # the token to feed: on the host, or (overlapped steps) sampled by the step in flight
+            tok = seq.token_ids[-1] if not seq.num_inflight else -1
+            plan.decode.append(DecodeRow(tok, seq.num_computed, seq.slot, self._sampling_row(seq)))
+            seq.num_computed += 1
+            budget -= 1
 
         # 2. chunked prefills in flight (no pass at all when every running sequence already decodes)
         for seq in list(self.running) if len(scheduled) < len(self.running) else ():
@@ -383,42 +371,7 @@ class Scheduler:
                 plan.cached.append(CachedSampleRow(m.node.snapshot, [self._sampling_row(seq)] +
                                                    self._fork_children(seq, plan)))
             budget -= n
-        if paused:
-            if plan.prefill:
-                for seq in paused:
-                    seq.decode_pauses += 1
-            else:  # nothing to prefill after all (no KV blocks, ...): nobody sits out for nothing
-                for seq in paused:
-                    scheduled.discard(seq.seq_id)
-                for seq in paused:
-                    if budget < 1:
-                        break
-                    if seq.status is SeqStatus.RUNNING:  # (not preempted by an earlier one's blocks)
-                        budget -= self._schedule_decode(seq, plan, scheduled)
         return plan
-
-    def _prefill_pending(self) -> bool:
-        """Prompt (or recompute) tokens this step may prefill: a running sequence in the middle of its
-        prefill, or a waiting one with a state slot free for it."""
-        for seq in self.running:
-            if not seq.decode_ready and seq.num_computed < len(seq.token_ids):
-                return True
-        if self.waiting:
-            head = self.waiting[0]
-            return not head.num_inflight and self.slots.num_free >= 1 + len(head.pending_children)
-        return False
-
-    def _schedule_decode(self, seq: Sequence, plan: StepPlan, scheduled: set[int]) -> int:
-        """Add `seq`'s decode row (blocks reserved, maybe by preemption); the budget it took (0 or 1)."""
-        if not self._reserve(seq, 1, plan, scheduled):
-            return 0
-        scheduled.add(seq.seq_id)
-        seq.decode_pauses = 0
-        # the token to feed: on the host, or (overlapped steps) sampled by the step in flight
-        tok = seq.token_ids[-1] if not seq.num_inflight else -1
-        plan.decode.append(DecodeRow(tok, seq.num_computed, seq.slot, self._sampling_row(seq)))
-        seq.num_computed += 1
-        return 1
 
     def _lookup(self, seq: Sequence) -> PrefixMatch:
         """The prefix cache's best restore point for `seq` (nothing for prompt-logprob requests,

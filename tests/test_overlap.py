@@ -144,28 +144,6 @@ def test_engine_greedy_overlapped_equals_sync_with_preemption(make_engine):
     assert sum(fed) > 50
 
 
-@pytest.mark.parametrize("pause", [0, 2])
-def test_engine_overlapped_sync_prefill_steps_and_prefill_first(make_engine, pause):
-    """--no-async-scheduling-prefill (steps with prefills complete before the next is scheduled; decode-only
-    steps still overlap) and prefill first (--max-decode-pause-steps): the same greedy tokens, with preemption."""
-    ref = tokens(drain(make_engine(async_scheduling=False), mixed_workload()))
-    eng = make_engine(async_scheduling=True, async_scheduling_prefill=False, max_decode_pause_steps=pause,
-                      num_kv_blocks=12)
-    left = []  # after each step: (the step launched has prefill rows, a step is left in flight)
-    orig = eng.step_requests
-
-    def step():
-        out = orig()
-        left.append((bool(eng.last_plan.prefill), eng._inflight is not None))
-        return out
-
-    eng.step_requests = step
-    assert tokens(drain(eng, mixed_workload())) == ref
-    assert eng.stats()["num_preemptions_total"] > 0
-    assert any(inflight for _, inflight in left)  # decode-only steps overlap
-    assert not any(prefill and inflight for prefill, inflight in left)  # prefill steps complete at once
-
-
 def test_engine_seeded_overlapped_is_batch_invariant(make_engine):
     """Seeded sampling: each request alone (synchronous) == all of them batched, overlapped, preempted."""
     work = mixed_workload(seed=3, sampled=True)

@@ -183,11 +183,9 @@ def test_on_off_same_step_sharing_and_system_prompt_users(make_engine):
     assert max(o.num_cached_tokens for o in on.values()) >= 37
 
 
-@pytest.mark.parametrize("pause", [0, 4])  # decodes every step / prefill first (the default)
-def test_on_off_after_eviction_and_preemption(make_engine, pause):
-    # 12 KV blocks of 8 tokens: preemption (with either policy); 4 snapshot slots: LRU eviction all the time
-    kw = dict(num_kv_blocks=13, block_size=8, max_num_seqs=6, num_prefix_snapshots=4,
-              max_decode_pause_steps=pause)
+def test_on_off_after_eviction_and_preemption(make_engine):
+    # 13 KV blocks of 8 tokens: preemption; 4 snapshot slots: LRU eviction all the time
+    kw = dict(num_kv_blocks=14, block_size=8, max_num_seqs=6, num_prefix_snapshots=4)
 
     def reqs(eng):
         return multi_turn(eng, users=4, turns=3, system=20, user_toks=5, out_toks=5, seed=5)

@@ -95,11 +95,10 @@ class CharDetok:
         return ""
 
 
-def make(max_num_seqs=8, budget=32, max_model_len=128, block_size=4, num_blocks=None, detok=True, pause=0):
+def make(max_num_seqs=8, budget=32, max_model_len=128, block_size=4, num_blocks=None, detok=True):
     blocks_needed = max_num_seqs * -(-max_model_len // block_size) + 1
     nb = num_blocks or blocks_needed
-    sch = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, block_size, watermark=0.0,
-                                    max_decode_pause_steps=pause),
+    sch = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, block_size, watermark=0.0),
                     SlotAllocator(max_num_seqs + 1), BlockAllocator(nb), eos_token_ids={EOS},
                     detokenizer_factory=(lambda ids, p: CharDetok()) if detok else None)
     runner = FakeRunner(max_num_seqs + 1, nb, block_size, -(-max_model_len // block_size))
@@ -107,13 +106,10 @@ def make(max_num_seqs=8, budget=32, max_model_len=128, block_size=4, num_blocks=
 
 
 def run(sch, runner, arrivals: dict[int, list[Request]] | None = None, max_steps=10_000, abort_at=None):
-    """Step until idle; arrivals[step] are added before that step. Returns {request_id: Request}.
-    Checks every step that no decode-ready sequence sits out more than max_decode_pause_steps steps in a
-    row, and only in steps that prefill."""
+    """Step until idle; arrivals[step] are added before that step. Returns {request_id: Request}."""
     arrivals = dict(arrivals or {})
     done = {}
     step = 0
-    sat_out: dict[int, int] = {}  # seq id -> steps in a row its decode sat out
     while sch.has_unfinished() or arrivals:
         for r in arrivals.pop(step, []):
             sch.add_request(r)
@@ -121,15 +117,9 @@ def run(sch, runner, arrivals: dict[int, list[Request]] | None = None, max_steps
             req = sch.abort_request(rid)
             if req is not None:
                 done[rid] = req
-        ready = {s.seq_id for s in sch.running if s.decode_ready and len(s.token_ids) + s.num_inflight < s.max_len}
         plan = sch.schedule()
         assert plan.num_tokens <= sch.cfg.max_num_batched_tokens
         assert len(plan.decode) + len(plan.prefill) <= sch.cfg.max_num_seqs
-        decoded = {r.sampling.seq_id for r in plan.decode} | {r.seq_id for r in plan.prefill} | set(plan.preempted)
-        still = {s.seq_id for s in sch.running}
-        sat_out = {sid: sat_out.get(sid, 0) + 1 for sid in ready - decoded if sid in still}
-        assert all(k <= sch.cfg.max_decode_pause_steps for k in sat_out.values()), sat_out
-        assert not sat_out or plan.prefill, "decodes sat out a step without prefill"
         if not plan.empty:
             for req in sch.postprocess(plan, runner.execute(plan)):
                 if req.finished:
@@ -197,57 +187,6 @@ def test_chunked_prefill_respects_budget_and_decodes_continue():
     assert len(plan.decode) == 1 and plan.prefill[0].start_pos == 7
     sch.postprocess(plan, runner.execute(plan))
     run(sch, runner)
-
-
-@pytest.mark.parametrize("pause", [1, 3])
-def test_prefill_first_keeps_outputs(pause):
-    """Prefill-first steps (decodes sit out while prompts wait, at most `pause` steps in a row: checked by
-    run() every step) change no output, with preemption, n > 1 forks and arrivals over time."""
-    ref = solo(workload())
-    for kw in ({"max_num_seqs": 16, "budget": 24}, {"max_num_seqs": 16, "budget": 24, "num_blocks": 24}):
-        sch, runner = make(pause=pause, **kw)
-        assert outputs(run(sch, runner, workload())) == ref
-    forks = {0: [req("f", 9, seed=3, n=3, temperature=1.0, max_tokens=10, ignore_eos=True)],
-             2: [req("g", 30, max_tokens=5, ignore_eos=True)], 4: [req("h", 17, n=2, max_tokens=7, ignore_eos=True)]}
-    assert outputs(run(*make(pause=pause, max_num_seqs=6, budget=8, num_blocks=30), forks)) == \
-        outputs(run(*make(max_num_seqs=6, budget=8, num_blocks=30), forks))
-
-
-def test_prefill_first_pause_bound_and_budget():
-    """A long prompt arriving while two sequences decode: its chunks run alone (the full budget) for K steps,
-    then one step carries the decodes too (they never sit out more than K steps in a row), and so on; once the
-    prompt is prefilled everyone decodes every step."""
-    K = 2
-    sch, runner = make(max_num_seqs=4, budget=8, pause=K)
-    sch.add_request(req("a", 3, max_tokens=40, ignore_eos=True))
-    sch.add_request(req("b", 4, max_tokens=40, ignore_eos=True))
-    sch.postprocess(p := sch.schedule(), runner.execute(p))  # both prompts in one step
-    sch.add_request(req("c", 50, max_tokens=3, ignore_eos=True))
-    kinds = []
-    while sch.requests["c"].seqs[0].num_output == 0:
-        plan = sch.schedule()
-        kinds.append((len(plan.decode), sum(len(r.token_ids) for r in plan.prefill)))
-        sch.postprocess(plan, runner.execute(plan))
-    # 50 prompt tokens: chunks of 8 while paused, 6 beside the two decodes
-    assert kinds == [(0, 8), (0, 8), (2, 6), (0, 8), (0, 8), (2, 6), (0, 6)]
-    plan = sch.schedule()
-    assert len(plan.decode) == 3 and not plan.prefill
-    sch.postprocess(plan, runner.execute(plan))
-    run(sch, runner)
-
-
-def test_prefill_first_decodes_when_nothing_can_prefill():
-    """A waiting request that cannot be admitted (no KV blocks) pauses nobody: the decodes run."""
-    sch, runner = make(max_num_seqs=4, budget=16, num_blocks=5, block_size=4, pause=4)  # block 0: the dummy
-    sch.add_request(req("a", 4, max_tokens=12, ignore_eos=True))
-    sch.postprocess(p := sch.schedule(), runner.execute(p))
-    sch.add_request(req("b", 13, max_tokens=2, ignore_eos=True))  # 4 blocks of 4: waits for a's
-    for _ in range(4):
-        plan = sch.schedule()
-        assert len(plan.decode) == 1 and not plan.prefill
-        sch.postprocess(plan, runner.execute(plan))
-    done = run(sch, runner)
-    assert [s.finish_reason for s in done["b"].seqs] == ["length"]
 
 
 def test_n_samples_fork_shares_prompt():

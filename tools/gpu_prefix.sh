@@ -8,7 +8,6 @@
 #   bash tools/gpu_prefix.sh on LABEL [server flags]   # a variant (results *_LABEL.*); TRACE=1: the traced
 #                                   # server and tools/prefix_timeline.py's TTFT breakdown and step list
 #   bash tools/gpu_prefix.sh report ON_LABEL OFF_LABEL
-#   bash tools/gpu_prefix.sh ab     # scheduling A/B: previous policy vs defaults, on (traced) and off (~6 min)
 #   bash tools/gpu_prefix.sh all    # the four in one call (may exceed one 10-minute device call)
 # The benefit run: bench serve --workload multi-turn, 32 users x 8 turns, a 2048-token system prompt
 # shared by all users, 128 new user tokens + 128 output tokens per turn (replies re-sent as ids).
@@ -23,7 +22,7 @@ run_test() {
 }
 
 run_bench() {  # $1 = on | off, $2 = label (default $1), then extra server flags; TRACE=1: the traced server
-  local flag=--enable-prefix-caching label=${2:-$1} mode=$1
+  local flag=--enable-prefix-caching label=${2:-$1}
   [ "$1" = off ] && flag=--no-enable-prefix-caching
   shift; [ $# -gt 0 ] && shift
   local serve=(python3 -m linrnn_serve)
@@ -70,12 +69,5 @@ case "${1:-all}" in
   test) run_test ;;
   on|off) run_bench "$@" ;;
   report) shift; report "$@" | tee -a "$OUT/prefix_report.md" ;;
-  ab)  # the scheduling policy A/B (issue #16 benefit): the previous policy (decodes every step, overlapped
-       # prefill steps) vs the defaults, caching on traced (tools/prefix_timeline.py), then both off runs
-    TRACE=1 run_bench on on_prev --max-decode-pause-steps 0 --async-scheduling-prefill
-    TRACE=1 run_bench on on
-    run_bench off off
-    run_bench off off_prev --max-decode-pause-steps 0 --async-scheduling-prefill
-    report on off | tee -a "$OUT/prefix_report.md"; report on_prev off_prev | tee -a "$OUT/prefix_report.md" ;;
   all) run_test; run_bench on; run_bench off; report | tee "$OUT/prefix_report.md" ;;
 esac

@@ -11,9 +11,7 @@ is still on the device is fed from it there (ModelRunner.slot_ids). A stop (EOS,
 step N's tokens finishes the sequence one step late: the token step N+1 sampled for it is dropped and
 its slot and blocks are reused only by work queued after step N+1 on the same stream. Steps whose
 sampling needs the previous token on the host (multi-token bad words) and `capture_logits`
-run synchronously, and so do steps that run prefills or first tokens from the prefix cache when
-`async_scheduling_prefill` is off (on by default): overlapped, step N+1 is scheduled before the requests
-arriving during step N's long forward are seen, and they wait for N+2. Grammar-constrained steps overlap too, as in vLLM: step N+1's grammar callback runs
+run synchronously. Grammar-constrained steps overlap too, as in vLLM: step N+1's grammar callback runs
 once its forward is queued, waits there for step N's sampled ids (already copied by then: step N's
 sampling precedes step N+1's forward on the stream), feeds them to the matchers and fills the masks
 while the GPU computes. Greedy and seeded outputs are the same either way.
@@ -130,7 +128,6 @@ class LLMEngine:
         a = config.async_scheduling
         self.async_scheduling = (self.device.type == "cuda" if a is None else bool(a)) and \
             self.executor.supports_async
-        self.async_scheduling_prefill = bool(config.async_scheduling_prefill)
         self._inflight = None  # (plan, pending step) launched and not yet postprocessed
         self._host_token_reqs: set[str] = set()  # requests whose sampling reads their previous tokens on the host
         self._accepted = None  # the last step whose sampled tokens went to the grammar matchers
@@ -145,7 +142,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, eos)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.block_size, max_decode_pause_steps=config.max_decode_pause_steps),
+                            config.block_size),
             SlotAllocator(self.budget.num_state_slots), blocks, eos,
             self._detokenizer if self.tokenizer else None,
             prefix_cache=self.prefix_cache)
@@ -330,10 +327,6 @@ class LLMEngine:
             self._inflight = (plan, self.executor.execute_async(plan))
             if sync:
                 return self._complete(self._take_inflight())
-            if (plan.prefill or plan.cached) and not self.async_scheduling_prefill:  # see the module docstring
-                reqs = self._complete(done) if done is not None else []
-                more = self._complete(self._take_inflight())
-                return reqs + [r for r in more if r not in reqs]
         return self._complete(done) if done is not None else []
 
     def _grammar_fill(self, inflight):
