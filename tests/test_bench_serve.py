@@ -2,7 +2,9 @@
 delays (issue #7)."""
 import asyncio
 import json
+import os
 import socket
+import sys
 import threading
 import time
 
@@ -24,6 +26,7 @@ def _fake_app():
     @app.post("/v1/completions")
     async def completions(body: dict):
         PROMPTS.append(body["prompt"])
+        rid = f"cmpl-{len(PROMPTS)}"
         ids = body.get("return_tokens_as_token_ids")
 
         async def gen():
@@ -34,7 +37,7 @@ def _fake_app():
                 choice = {"index": 0, "text": f"t{i}"}
                 if ids:
                     choice["logprobs"] = {"tokens": [f"token_id:{7000 + i}"]}
-                yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
+                yield "data: " + json.dumps({"id": rid, "choices": [choice]}) + "\n\n"
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": N, "total_tokens": 0,
                      "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) // 2}}
             yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
@@ -117,6 +120,29 @@ def test_multi_turn_workload(fake_server):
     assert all(FIRST * 1000 <= t["ttft_ms"]["median"] for t in r["turns"])
     assert r["turns"][1]["hit_rate"] == pytest.approx(0.5) and r["turns"][1]["prompt_tokens_mean"] == 24
     assert "| 3 | 34 |" in format_turns(r)
+    # every request's record (turn, user, id, send time, TTFT, E2EL, prompt, cached), lined up with a server
+    # trace by tools/prefix_timeline.py: here a synthetic one with known gaps
+    recs = r["requests"]
+    assert sorted((x[0], x[1]) for x in recs) == [(t, u) for t in (1, 2, 3) for u in (0, 1)]
+    assert len({x[2] for x in recs}) == 6 and all(x[2].startswith("cmpl-") for x in recs)
+    assert all(x[4] >= FIRST and x[5] >= x[4] and x[7] == x[6] // 2 for x in recs)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:  # tools/ is a folder of the checkout, not an installed package
+        sys.path.insert(0, repo)
+    from tools import prefix_timeline
+
+    core, server = [], {"events": []}
+    for x in recs:  # hand-over 4 ms after the send, the core's add 6 ms later, its first token 5 ms before the client's
+        server["events"].append(["add_sent", x[3] + 0.004, x[2]])
+        core.append(["add", x[3] + 0.010, x[2]])
+        core.append(["step", x[3] + 0.011, x[3] + 0.012, 1, [3, 1, 9, 0, 1, 0]])
+        core.append(["core", x[3] + x[4] - 0.005, [[x[2], 1]]])
+    out = prefix_timeline.analyse({"runs": [r]}, core, server, steps_turn=2)
+    row = next(line for line in out.splitlines() if line.startswith("| 2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:4] == ["4.0", "6.0"] and cells[5] == "5.0" and cells[9] == "9"
+    assert float(cells[4]) == pytest.approx(float(cells[1]) - 15.0, abs=0.11)  # add -> first token = TTFT - 15 ms
+    assert "| 3 | 1 | 9 | 0 | 1 | 0 |" in out  # turn 2's steps, listed
 
 
 def test_unreachable_server_reports_failures():
