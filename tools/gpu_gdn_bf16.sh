@@ -50,6 +50,25 @@ if has old; then
     | tee $R/old.log
   cp /tmp/decode_new.py kernels/gdn/decode.py
 fi
+if has new || has old; then  # the issue's two kernel targets, new vs old, from the registry JSONs of this call
+  python3 - $R <<'PY' 2>&1 | tee $R/targets.log
+import json, os, sys
+runs = {n: json.load(open(p)) for n in ("old", "new")
+        if os.path.exists(p := os.path.join(sys.argv[1], n, "gdn_decode.json"))}
+for n, res in runs.items():
+    for row in res["decode"]:
+        if row["B"] < 64:
+            continue
+        m, copy = row["modes"], res["copy_gbs"]
+        bf, f32, hyb = m["0.0"], m["1.0"], m.get("0.5", {})
+        pct = 100 * bf["gbs"] / copy
+        ratio = f32["us"] / hyb["us"] if "us" in hyb else float("nan")
+        print(f"{n} B={row['B']}: all-bf16 {bf['us']:.1f} us = {pct:.1f} % of copy (target >= 85: "
+              f"{'PASS' if pct >= 85 else 'MISS'}); all-f32 {f32['us']:.1f} us = {100 * f32['gbs'] / copy:.1f} %; "
+              f"50 % f32 {hyb.get('us', float('nan')):.1f} us = {ratio:.3f}x all-f32 (target >= 1.25: "
+              f"{'PASS' if ratio >= 1.25 else 'MISS'})")
+PY
+fi
 if has engine; then
   LINRNN_GDN_BF16_PERSISTENT=$PERSISTENT timeout 110 python3 -m linrnn_serve bench batched --load-format dummy \
     --npp 128 --ntg 128 --npl 64,128 --config 'model=qwen35moe-nvfp4,label=nvfp4 f32' \
