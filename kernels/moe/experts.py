@@ -47,11 +47,15 @@ MAX_CHUNK_TOKENS = 4096
 
 
 def supported(x: torch.Tensor, *weights: WeightTensor) -> bool:
-    """Whether the Triton path can run these weights on x's device (E4M3 conversions need sm_89+)."""
+    """Whether the Triton path can run these weights on x's device (E4M3 conversions need sm_89+). Compiled, the
+    grouped GEMMs decode quantized weights to 16-bit MMA operands: f32 activations (`--dtype float32`, e.g. an
+    f32 KL reference) take the naive path there."""
     if not x.is_cuda:
         return True  # interpreter
     major, minor = torch.cuda.get_device_capability(x.device)
     if (major, minor) < (8, 0):
+        return False
+    if x.dtype == torch.float32 and any(w.fmt != "dense" for w in weights):
         return False
     return all(w.fmt == "dense" for w in weights) or (major, minor) >= (8, 9)
 
