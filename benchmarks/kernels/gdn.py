@@ -364,6 +364,66 @@ def run_peer(kind: str, arg: str, args) -> dict:
 # ---------------------------------------------------------------------------- resources (no GPU)
 
 
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
+
+
+class _Capture:
+    def __init__(self, fn, log):
+        self.fn, self.log = fn, log
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.log.append((self.fn, grid, a, kw))
+
+
+def captured_launches(mod, names, call) -> list:
+    """Run call() with the Triton kernels `names` of module mod replaced by recorders (no GPU needed): the
+    (kernel, grid, args, kwargs) of every launch it makes."""
+    log, saved = [], {n: getattr(mod, n) for n in names}
+    for n in names:
+        setattr(mod, n, _Capture(saved[n], log))
+    try:
+        call()
+    finally:
+        for n, f in saved.items():
+            setattr(mod, n, f)
+    return log
+
+
+def compile_sm90(fn, args, kw):
+    """triton.compile one captured launch for sm_90 as the JIT specializes it (tensors 16-byte aligned, ints
+    equal to 1 constant, multiples of 16 marked divisible); no GPU needed. Call outside TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kw = dict(kw)
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
+    opts = {k: v for k, v in opts.items() if v is not None}
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
+        if p.is_constexpr:
+            sig[name], consts[(i,)] = "constexpr", kw[name]
+            continue
+        v = args[i] if i < len(args) else kw[name]
+        if isinstance(v, torch.Tensor):
+            sig[name], attrs[(i,)] = "*" + _DTYPES[v.dtype], [["tt.divisibility", 16]]
+        elif v is None:
+            sig[name], consts[(i,)] = "constexpr", None
+        elif isinstance(v, TensorDescriptor):
+            sig[name] = f"tensordesc<{_DTYPES[v.base.dtype]}{list(v.block_shape)}>"
+        elif isinstance(v, int) and v == 1:
+            sig[name], consts[(i,)] = "constexpr", 1
+        elif isinstance(v, int):
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32"
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts), opts
+
+
 def resources() -> None:
     """Compile every kernel / config for sm_90 with Triton's bundled ptxas and print registers, spills
     and shared memory (what bounds occupancy), without a GPU."""
@@ -372,48 +432,13 @@ def resources() -> None:
 
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from linrnn_kernels.gdn import conv, decode, prefill
 
-    dtypes = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-    class Capture:
-        def __init__(self, fn, log):
-            self.fn, self.log = fn, log
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: self.log.append((self.fn, grid, a, kw))
-
     def compile_and_report(label, fn, grid, args, kw):
-        kw = dict(kw)
-        opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
-        opts = {k: v for k, v in opts.items() if v is not None}
-        sig, consts, attrs = {}, {}, {}
-        for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
-            if p.is_constexpr:
-                sig[name], consts[(i,)] = "constexpr", kw[name]
-                continue
-            v = args[i] if i < len(args) else kw[name]
-            if isinstance(v, torch.Tensor):
-                sig[name], attrs[(i,)] = "*" + dtypes[v.dtype], [["tt.divisibility", 16]]
-            elif v is None:
-                sig[name], consts[(i,)] = "constexpr", None
-            elif isinstance(v, TensorDescriptor):
-                sig[name] = f"tensordesc<{dtypes[v.base.dtype]}{list(v.block_shape)}>"
-            elif isinstance(v, int) and v == 1:
-                sig[name], consts[(i,)] = "constexpr", 1
-            elif isinstance(v, int):
-                sig[name] = "i32"
-                if v % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            else:
-                sig[name] = "fp32"
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options=opts)
+        k, opts = compile_sm90(fn, args, kw)
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(k.asm["ptx"])
         info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
@@ -425,24 +450,13 @@ def resources() -> None:
               f"regs={regs.group(1) if regs else '?'} spill st/ld={spill.groups() if spill else '?'} "
               f"smem={k.metadata.shared}", flush=True)
 
-    def captured(mod, names, call):
-        log, saved = [], {n: getattr(mod, n) for n in names}
-        for n in names:
-            setattr(mod, n, Capture(saved[n], log))
-        try:
-            call()
-        finally:
-            for n, f in saved.items():
-                setattr(mod, n, f)
-        return log
-
     cpu = dict(device="cpu")
     for B in (1, 64):
         for cfg in [None] + DECODE_SWEEP:
             q, k, v, a, b, A_log, dt_bias = make_step_inputs(B, **cpu)
             f32, bf, isb, loc = make_pools(head_mask(0.5), B + 1, **cpu)
             idx = torch.arange(1, B + 1, dtype=torch.int32)
-            for fn, grid, a_, kw in captured(decode, ["_gdn_decode_kernel"], lambda: decode.gdn_decode(
+            for fn, grid, a_, kw in captured_launches(decode, ["_gdn_decode_kernel"], lambda: decode.gdn_decode(
                     q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx, config=cfg)):
                 compile_and_report(f"decode B={B} config={cfg}", fn, grid, a_, kw)
     T, lens = 200, [100, 100]
@@ -453,14 +467,14 @@ def resources() -> None:
             f32, bf, isb, loc = make_pools(head_mask(0.5), 3, **cpu)
             idx = torch.tensor([1, 2], dtype=torch.int32)
             names = ["_chunk_wy_kernel", "_chunk_state_kernel", "_chunk_output_kernel"]
-            for fn, grid, a_, kw in captured(prefill, names, lambda: prefill.gdn_prefill(
+            for fn, grid, a_, kw in captured_launches(prefill, names, lambda: prefill.gdn_prefill(
                     q, k, v, a, b, A_log, dt_bias, cu, f32, bf, isb, loc, idx, precision=prec, config=cfg)):
                 compile_and_report(f"prefill {prec} {cfg}", fn, grid, a_, kw)
     x = torch.randn(T, C).to(ACT)
     w = torch.randn(C, CONV_K).to(ACT)
     cst = torch.zeros(3, CONV_K - 1, C).to(ACT)
     names = ["_conv1d_decode_kernel", "_conv1d_varlen_kernel", "_conv_state_update_kernel"]
-    for fn, grid, a_, kw in captured(conv, names, lambda: (
+    for fn, grid, a_, kw in captured_launches(conv, names, lambda: (
             conv.conv1d_varlen(x, w, cst, cu, torch.tensor([1, 2], dtype=torch.int32)),
             conv.conv1d_decode(x[:2], w, cst, torch.tensor([1, 2], dtype=torch.int32)))):
         compile_and_report("conv", fn, grid, a_, kw)
