@@ -198,43 +198,6 @@ def test_decode_partition_major_order_is_bit_identical(poison_empty, kind, bv):
     run_decode(SMALL, B, kind, torch.float32, KERNEL_DEVICE, config=(bv, 2, "evict_first", "evict_first", None, True))
 
 
-@pytest.mark.parametrize("kind", ["0.5", "bf16"])
-@pytest.mark.parametrize("per_sm", [1, 3])
-def test_decode_persistent_bf16_matches_reference(poison_empty, monkeypatch, kind, per_sm):
-    """Persistent bf16 programs (each looping over several bf16 tiles through a TMA descriptor, the next tiles'
-    loads in flight; one "SM" here, so 1 or 3 programs take all 24 / 48 bf16 tiles) match the reference and
-    leave unused slots untouched; the f32 partition's bytes equal the one-tile-per-program launch's."""
-    monkeypatch.setattr(decode_k, "num_sms", lambda device_index: 1)
-    for bv in (8, 16):
-        run_decode(SMALL, 6, kind, torch.float32, KERNEL_DEVICE, config=(bv, 2, "", "", None, None, per_sm))
-    Hk, Hv, Dk, Dv = SMALL["Hk"], SMALL["Hv"], SMALL["Dk"], SMALL["Dv"]
-    B = 5
-    idx = (torch.randperm(B + 2)[:B] + 1).to(torch.int32).to(KERNEL_DEVICE)
-    q, k, v, a, b, A_log, dt_bias = make_inputs(B, Hk, Hv, Dk, Dv, torch.bfloat16, KERNEL_DEVICE)
-    f32, bf, isb, loc = make_pools(Hv, Dk, Dv, B + 3, head_map(Hv, kind), idx.tolist(), KERNEL_DEVICE)
-    outs = []
-    for persistent in (0, per_sm):
-        fs, bs = f32.clone(), bf.clone()
-        cfg = decode_k.DecodeConfig(8, 2, "evict_first", "evict_first", None, True, persistent)
-        decode_k.gdn_decode(q, k, v, a, b, A_log, dt_bias, fs, bs, isb, loc, idx, config=cfg)
-        outs.append(fs.view(torch.int32))
-    assert torch.equal(*outs)
-    with pytest.raises(ValueError, match="partition-major"):
-        decode_k.gdn_decode(q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx,
-                            config=(16, 2, "", "", None, False, per_sm))
-
-
-def test_decode_config_persistent_knob(monkeypatch):
-    """LINRNN_GDN_BF16_PERSISTENT="P,S" gives the [Dk, 64] configs P persistent bf16 programs per SM with S stages;
-    unset (the default) or at small batch the configs are unchanged."""
-    cpu = torch.device("cpu")
-    assert decode_k.decode_config(128, 32, 128, 128, cpu) == decode_k.DecodeConfig(64, 4, "evict_first", "evict_first")
-    monkeypatch.setenv("LINRNN_GDN_BF16_PERSISTENT", "4,3")
-    cfg = decode_k.decode_config(128, 32, 128, 128, cpu)
-    assert (cfg.bv, cfg.bf16_persistent, cfg.bf16_stages) == (64, 4, 3)
-    assert decode_k.decode_config(1, 32, 128, 128, cpu).bf16_persistent == 0
-
-
 def decode_rows_are_independent(shape, device):
     """With one launch config, each row's output and state bytes are the same whether it runs alone,
     in a small batch or in a large one: rows never interact (decode_config may pick another tile
@@ -278,7 +241,7 @@ from triton.compiler import ASTSource
 from linrnn_kernels.gdn import decode
 fn = decode._gdn_decode_kernel
 cex = dict(HV=32, GROUP=2, DK=128, DV=128, BV=64, LOAD_EVICT="evict_first", LOAD_CACHE="",
-           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False, BF16_STAGES=0)
+           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False)
 f32 = ("A_log", "dt_bias", "ssm_f32")
 i32 = ("head_is_bf16", "head_local", "state_indices")
 sig, consts, attrs = {}, {}, {}
@@ -431,14 +394,6 @@ def test_gpu_decode_full_shapes(poison_empty, B, kind, dtype):
 def test_gpu_decode_tile_configs(poison_empty, config):
     """Every DecodeConfig the benchmark sweeps is correct."""
     run_decode(FULL, 8, "0.5", torch.float32, "cuda", config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["0.5", "bf16"])
-@pytest.mark.parametrize("config", [c for c in DECODE_SWEEP if len(c) > 6])
-def test_gpu_decode_persistent_bf16_full_shapes(poison_empty, kind, config):
-    """Persistent TMA-pipelined bf16 programs at 35B-A3B shapes, B = 64: each program loops over ~8 tiles."""
-    run_decode(FULL, 64, kind, torch.float32, "cuda", config=config)
 
 
 @pytest.mark.gpu

@@ -153,17 +153,6 @@ def test_sm90_compile_k_loop(gated, split, units, prefetch, fused, hint):
 
 
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
-def test_sm90_pdl_waits_before_any_load():
-    """With PDL the kernel lets the next one launch and waits for the previous grid before its first global load
-    (everything it reads may come from the kernel before); without PDL no grid-dependency instruction at all."""
-    on = nvfp4_mma.pdl_ptx_facts(pdl=True)
-    assert on["launch_dependents"] is not None and on["wait"] is not None
-    assert on["launch_dependents"] < on["wait"] < on["first_load"], on
-    off = nvfp4_mma.pdl_ptx_facts(pdl=False)
-    assert off["wait"] is None and off["launch_dependents"] is None and off["first_load"] is not None
-
-
-@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
 @pytest.mark.parametrize("splits", [(1, 1), (4, 2)])
 def test_sm90_compile_persistent(splits):
     """The persistent two-GEMM kernel: no spills in either K loop at its register cap (8 CTAs of 4 warps per

@@ -1,11 +1,12 @@
-"""GDN decode, bf16 partition (issue #15): new kernel configs vs the naive reference and vs the old kernel, on the GPU.
+"""GDN decode, bf16 partition (issue #15): kernel configs vs the naive reference and vs an old kernel, on the GPU.
 
 For every config in --configs (DecodeConfig tuples, python literal; None = decode_config's choice) at each
 fraction of f32 heads and B: (1) against the naive reference on fresh inputs with the unused slots
 NaN-poisoned (they must stay NaN), o / f32 / bf16 relative errors; (2) against the old kernel
-(linrnn_kernels.gdn.decode_main) with the same tile shape and hints on identical inputs: outputs and both
-partitions bit for bit, or the largest difference where they differ.
-    python tools/gdn_bf16_check.py --configs "[None, (64, 4, 'evict_first', 'evict_first', None, None, 2)]"
+(linrnn_kernels.gdn.decode_main, e.g. a kernel kept under benchmarks/results/.../variants/ copied there) with
+the same tile shape and hints on identical inputs: outputs and both partitions bit for bit, or the largest
+difference where they differ.
+    python tools/gdn_bf16_check.py --configs "[None, (64, 4, 'evict_first', 'evict_first')]"
 """
 from __future__ import annotations
 

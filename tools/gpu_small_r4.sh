@@ -8,10 +8,11 @@
 #                                     (tools/gpu_small_r4_bits.py: skinny GEMM row-norm epilogues, router + experts), the MoE layer benchmark,
 #                                     bench batched npl 1,8 (PDL on, the default), and with LINRNN_PDL=0 the per-kernel
 #                                     profile at npl 1 and 8 -> $OUT/r4/
-#   bash tools/gpu_small_r4.sh final  (the lead's call, main's tree as merged, timeout_s 420) bench batched npl 1,8 with the
-#                                     defaults + profile, then with LINRNN_MMA_PDL=1; engine GPU test graphs on == off
-#                                     (35B-shaped NVFP4); MMA / pair-block / router GPU tests under LINRNN_MMA_PDL=1; the
-#                                     MoE layer benchmark -> $OUT/r4/final_*.log
+#   bash tools/gpu_small_r4.sh final  (main's tree as merged, timeout_s 360) bench batched npl 1,8 with the defaults +
+#                                     profile; engine GPU test graphs on == off (35B-shaped NVFP4); MMA / pair-block /
+#                                     router GPU tests; the MoE layer benchmark -> $OUT/r4/final_*.log
+#                                     (the LINRNN_MMA_PDL=1 stages of the call on ce30243 went with the opt-in:
+#                                     benchmarks/results/small_round4/variants/gpu_small_r4_final_pdl.sh.txt)
 . tools/device_env.sh >/dev/null
 # results straight under $OUT (whatever a stage left comes back if the call runs out of time)
 R=${OUT:-/tmp/out}/r4; mkdir -p $R
@@ -38,17 +39,14 @@ ab)
   timeout 45 $MOE --out $R/moe_new > $R/moe_new.log 2>&1; grep -E "^\| (1|8) \|" $R/moe_new.log | head -4
   ;;
 final)
-  # for the lead, one call (~7 min) on main's tree as merged: bench batched npl 1,8 with the defaults (PDL on) and the
-  # profile, then with the opt-in LINRNN_MMA_PDL=1 (the MMA kernel under PDL; not yet run on a GPU); the engine GPU test
-  # graphs on == off (35B-shaped NVFP4, batches 1 / 3 / 17 / 64); the MMA / pair-block / router GPU tests under
-  # LINRNN_MMA_PDL=1; the MoE layer benchmark. One log per stage under $R
+  # one call (~6 min) on main's tree as merged: bench batched npl 1,8 with the defaults (PDL on) and the profile; the
+  # engine GPU test graphs on == off (35B-shaped NVFP4, batches 1 / 3 / 17 / 64); the MMA / pair-block / router GPU
+  # tests; the MoE layer benchmark. One log per stage under $R
   timeout 75 $B --profile 1,8 --profile-top 40 --config 'model=qwen35moe-nvfp4,label=main (defaults)' --out /tmp/r4f/main \
     > $R/final_main.log 2>&1; row $R/final_main.log; grep -E "router_kernel|nvfp4_mma|skinny" $R/final_main.log | head -6
-  LINRNN_MMA_PDL=1 timeout 60 $B --config 'model=qwen35moe-nvfp4,label=main + LINRNN_MMA_PDL=1' --out /tmp/r4f/mma_pdl \
-    > $R/final_mma_pdl.log 2>&1; row $R/final_mma_pdl.log
   timeout 150 python3 -m pytest -m gpu tests/test_engine_gpu.py -k a3b -q -p no:cacheprovider -rfE \
     > $R/final_tests_engine.log 2>&1; tail -1 $R/final_tests_engine.log; grep -E "FAILED|ERROR" $R/final_tests_engine.log | head -5
-  LINRNN_MMA_PDL=1 timeout 90 python3 -m pytest -m gpu tests/test_nvfp4_mma.py tests/test_gemv_kernels.py \
+  timeout 90 python3 -m pytest -m gpu tests/test_nvfp4_mma.py tests/test_gemv_kernels.py \
     -k "pair or bitwise or per_expert or dispatch or router" -q -p no:cacheprovider -rfE > $R/final_tests_kernels.log 2>&1
   tail -1 $R/final_tests_kernels.log; grep -E "FAILED|ERROR" $R/final_tests_kernels.log | head -5
   timeout 35 $MOE > $R/final_moe.log 2>&1; grep -E "^\| (1|8) \|" $R/final_moe.log | head -4

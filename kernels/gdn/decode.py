@@ -22,27 +22,17 @@ the tile math is the same code in both orders, so every row's bits are too. Meas
 f32 heads, B = 128: 114.4 instead of 118.1 us per layer call (84.2 vs 81.5 % of copy bandwidth). The Dv
 tiles of a head stay adjacent in the order: reading the two halves of each state row far apart in time
 costs 6-8 points of bandwidth (DRAM pages reopened). The bf16 partition itself stays at ~77 % of copy
-(all-f32: ~90 %); benchmarks/results/kernels/gdn-decode/bf16_round/ records the variants tried against it.
-
-Persistent bf16 programs (DecodeConfig.bf16_persistent, off by default until timed; LINRNN_GDN_BF16_PERSISTENT
-in decode_config): a one-tile bf16 program is latency-bound (half an f32 program's bytes for the same
-instructions and reductions, 4 programs per SM at 128 registers), so instead P programs per SM each loop over
-bf16 tiles, loading them through a TMA descriptor of the bf16 pool with Triton's software pipeline: the next
-tiles' state waits in shared memory while a tile is updated, so the bytes in flight per SM no longer depend on
-registers. A register double buffer (the next tile in packed-bf16 registers) measured 56-64 % of copy instead
-of 77 % (183 registers, 2-3 programs per SM: benchmarks/results/kernels/gdn-decode/bf16_round2/). The TMA
-tile arrives in another register layout ([1, 8] elements per thread instead of [1, 4]), which reorders the
-Dk sums of bf16 heads; f32 heads and the default path compile to the same code as before.
+(all-f32: ~90 %); benchmarks/results/kernels/gdn-decode/bf16_round/ records the variants tried against it,
+bf16_round2/ the persistent bf16 programs with the next tiles in flight (a register double buffer, a TMA
+pipeline): both slower on the H200 (TMA: 54.9-64.1 % of copy all-bf16 at B = 64-256), removed.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 from linrnn_kernels.gdn.common import (
     check_pools,
     check_qkv,
@@ -57,18 +47,13 @@ class DecodeConfig(NamedTuple):
     """Launch shape of the decode kernel. bv: Dv columns per state tile; load / store: cache hint of the
     state load / store, an L2 eviction policy ("evict_first") or a PTX cache operator (".cg", ".cs"),
     "" for none (ptxas takes one of the two kinds per access); maxnreg: register cap per thread;
-    partition_major: program order (None: partition-major exactly when both partitions hold heads, or when
-    the bf16 partition is persistent); bf16_persistent: 0 = one bf16 tile per program, n > 0 = n bf16 programs
-    per SM, each looping over bf16 tiles with the next bf16_stages - 1 tiles' state (TMA loads into shared
-    memory) in flight during the current update (register cap 128 unless maxnreg says otherwise)."""
+    partition_major: program order (None: partition-major exactly when both partitions hold heads)."""
     bv: int
     num_warps: int
     load: str = ""
     store: str = ""
     maxnreg: int | None = None
     partition_major: bool | None = None
-    bf16_persistent: int = 0
-    bf16_stages: int = 3
 
 
 @triton.jit
@@ -96,19 +81,7 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, v
     # same-shaped access but caps stores at 16 B; a mismatch sent f32 tiles through shared memory)
     offs = tl.max_contiguous(o_k[:, None] * DV + o_v[None, :], [1, 4])
     s = tl.load(pool + base + offs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE).to(tl.float32)
-    s = _tile_update(s, q, k, v, a, b, A_log, dt_bias, o, i_b, i_h, i_hk, o_v, stride_q_tok, stride_q_head,
-                     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale,
-                     HV, DK, DV)
-    tl.store(pool + base + offs, s.to(pool.dtype.element_ty), eviction_policy=STORE_EVICT,
-             cache_modifier=STORE_CACHE)
 
-
-@triton.jit
-def _tile_update(s, q, k, v, a, b, A_log, dt_bias, o, i_b, i_h, i_hk, o_v, stride_q_tok, stride_q_head, stride_k_tok,
-                 stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale,
-                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
-    """The update of one [DK, BV] f32 state tile s (columns o_v of head i_h, row i_b): writes o, returns S'."""
-    o_k = tl.arange(0, DK)
     b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
     b_k = tl.load(k + i_b * stride_k_tok + i_hk * stride_k_head + o_k).to(tl.float32)
     b_v = tl.load(v + i_b * stride_v_tok + i_h * stride_v_head + o_v).to(tl.float32)
@@ -128,7 +101,8 @@ def _tile_update(s, q, k, v, a, b, A_log, dt_bias, o, i_b, i_h, i_hk, o_v, strid
     s = s * decay + (b_k * r_k)[:, None] * u[None, :]
 
     tl.store(o + (i_b * HV + i_h) * DV + o_v, b_o.to(o.dtype.element_ty))
-    return s
+    tl.store(pool + base + offs, s.to(pool.dtype.element_ty), eviction_policy=STORE_EVICT,
+             cache_modifier=STORE_CACHE)
 
 
 @triton.jit
@@ -166,43 +140,14 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
 
 
 @triton.jit
-def _tile_coords(p, n_heads, NV: tl.constexpr):
-    """Tile p of one partition (Dv tiles fastest): (row, head index in the partition, Dv tile)."""
-    r = p // NV
-    return (r // n_heads).to(tl.int64), r % n_heads, p % NV
-
-
-@triton.jit
-def _bf16_persistent(p0, n_programs, n_tiles, n_heads, state_desc, q, k, v, a, b, A_log, dt_bias, o, head_is_bf16,
-                     head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
-                     stride_v_head, stride_a_tok, stride_b_tok, scale,
-                     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                     STAGES: tl.constexpr):
-    """bf16 tiles p0, p0 + n_programs, ... through a TMA descriptor of the bf16 pool as [slots * heads * DK, DV]
-    rows: Triton's software pipeline keeps the next STAGES - 1 tiles' loads in flight in shared memory while a
-    tile is updated, so a program's bytes in flight no longer depend on its registers; the updated tile goes
-    back by a TMA store. The tile math is _tile_update, as in the one-tile programs."""
-    NV: tl.constexpr = DV // BV
-    for p in tl.range(p0, n_tiles, n_programs, num_stages=STAGES):
-        i_b, j, i_v = _tile_coords(p, n_heads, NV)
-        row = (tl.load(state_indices + i_b) * n_heads + j) * DK
-        s = state_desc.load([row, i_v * BV]).to(tl.float32)
-        i_h = _natural_head(head_is_bf16, head_local, j, True, HV)
-        s = _tile_update(s, q, k, v, a, b, A_log, dt_bias, o, i_b, i_h, i_h // GROUP, i_v * BV + tl.arange(0, BV),
-                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                         stride_a_tok, stride_b_tok, scale, HV, DK, DV)
-        state_desc.store([row, i_v * BV], s.to(tl.bfloat16))
-
-
-@triton.jit
 def _gdn_decode_kernel(
     q, k, v, a, b, A_log, dt_bias,
-    ssm_f32, ssm_bf16, bf16_desc, head_is_bf16, head_local, state_indices, o,
+    ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_a_tok, stride_b_tok, stride_f32_slot, stride_bf16_slot,
-    n_f32_heads, n_bf16_heads, n_f32_programs, n_bf16_tiles, scale,
+    n_f32_heads, n_bf16_heads, n_f32_programs, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    PARTITION_MAJOR: tl.constexpr, BF16_STAGES: tl.constexpr,
+    PARTITION_MAJOR: tl.constexpr,
     LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
@@ -215,11 +160,6 @@ def _gdn_decode_kernel(
                                head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
                                stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale, HV, GROUP,
                                DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
-        elif BF16_STAGES > 0:
-            _bf16_persistent(pid - n_f32_programs, tl.num_programs(0) - n_f32_programs, n_bf16_tiles, n_bf16_heads,
-                             bf16_desc, q, k, v, a, b, A_log, dt_bias, o, head_is_bf16, head_local, state_indices,
-                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                             stride_a_tok, stride_b_tok, scale, HV, GROUP, DK, DV, BV, BF16_STAGES)
         else:
             _partition_program(pid - n_f32_programs, n_bf16_heads, stride_bf16_slot, ssm_bf16, True, q, k, v, a, b,
                                A_log, dt_bias, o, head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head,
@@ -262,16 +202,9 @@ def decode_config(B: int, Hv: int, Dk: int, Dv: int, device) -> DecodeConfig:
     order of the Dk reduction, so a row's low bits depend on B through this choice; the engine runs
     every decode step, graphed or eager, at its bucket size, so graphs on == off stays bit-exact. The
     state is read once and written once per step and next touched a whole forward pass later:
-    evict_first keeps it from pushing weights and activations out of L2 (+4-6 points of bandwidth).
-
-    LINRNN_GDN_BF16_PERSISTENT="P,S" (off by default: not yet timed on a GPU) gives the [Dk, 64] configs
-    persistent TMA-pipelined bf16 programs, P per SM with S pipeline stages (DecodeConfig.bf16_persistent)."""
+    evict_first keeps it from pushing weights and activations out of L2 (+4-6 points of bandwidth)."""
     sms = num_sms(device.index or 0) if device.type == "cuda" else 132
     if Dv >= 64 and B * Hv * (Dv // 64) >= 8 * sms:
-        persistent = os.environ.get("LINRNN_GDN_BF16_PERSISTENT", "0")
-        if persistent != "0":
-            per_sm, stages = (int(x) for x in persistent.split(","))
-            return DecodeConfig(64, 4, "evict_first", "evict_first", None, None, per_sm, stages)
         bv, warps = 64, 4
     elif Dv >= 32 and B * Hv * (Dv // 32) >= 2 * sms:
         bv, warps = 32, 2
@@ -299,25 +232,14 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
     cfg = DecodeConfig(*(config or decode_config(B, Hv, Dk, Dv, q.device)))
     nf, nb = ssm_f32.shape[1], ssm_bf16.shape[1]
     nv = Dv // cfg.bv
-    # the TMA descriptor sees the bf16 pool as [slots * heads * Dk, Dv] rows: contiguous pools only
-    persistent = cfg.bf16_persistent if nb > 0 and ssm_bf16.is_contiguous() and ssm_bf16.data_ptr() % 16 == 0 else 0
-    partition_major = (nf > 0 and nb > 0 or persistent > 0) if cfg.partition_major is None else cfg.partition_major
-    if persistent and not partition_major:
-        raise ValueError("persistent bf16 programs need the partition-major program order")
-    n_f32_programs, n_bf16_tiles = B * nf * nv, B * nb * nv
-    n_bf16_programs = min(n_bf16_tiles, persistent * num_sms(q.device.index or 0)) if persistent else n_bf16_tiles
-    desc = TensorDescriptor.from_tensor(ssm_bf16.view(-1, Dv), [Dk, cfg.bv]) if persistent else None
-    maxnreg = cfg.maxnreg
-    if persistent and maxnreg is None:  # the bf16 loop alone takes 168 (sm_90, no spills at 128): keep the f32
-        maxnreg = 128                   # programs of the launch at 4 per SM
-    _gdn_decode_kernel[(n_f32_programs + n_bf16_programs,)](
+    partition_major = (nf > 0 and nb > 0) if cfg.partition_major is None else bool(cfg.partition_major)
+    _gdn_decode_kernel[(B * Hv * nv,)](
         q, k, v, a, b, A_log, dt_bias,
-        ssm_f32, ssm_bf16, desc, head_is_bf16, head_local, state_indices, o,
+        ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
-        nf, nb, n_f32_programs, n_bf16_tiles, Dk ** -0.5,
-        HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=bool(partition_major),
-        BF16_STAGES=cfg.bf16_stages if persistent else 0,
-        **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=maxnreg,
+        nf, nb, B * nf * nv, Dk ** -0.5,
+        HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major,
+        **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return o

@@ -18,15 +18,13 @@ shared-expert down projection) adds them with the top-k combine. No float atomic
 reproducible, CUDA graphs on or off. Gated (w13) tiles hold 8 gate + 8 up rows so SiLU * up needs no
 exchange. Weight loads carry an evict-first L2 hint (WEIGHT_HINTS).
 
-Programmatic dependent launch, opt-in (LINRNN_MMA_PDL=1; also needs PDL on, LINRNN_PDL): each CTA first lets the
-next kernel launch, then waits for the previous grid before its first load, so only the launch overlaps (the
-expert ids, activations and tickets all come from earlier kernels); the skinny GEMM after the down projection (the
-shared expert's) could then stream its weights while this grid drains. Compiled and checked on the CPU (sm_90 PTX:
-the wait precedes every load), not yet run on a GPU: off by default until tools/gpu_small_r4.sh final measures it.
-
 `launch_persistent` runs both GEMMs in one persistent launch (work items from an integer counter, down
 tiles waiting on their block's gate_up tiles); measured slower than the two launches on the H200 at
 most batch sizes (results/kernels/moe/MMA.md), so not the default.
+
+No programmatic dependent launch here: under PDL (launch_dependents, then a grid wait before the first load)
+the engine step measured slower on the H200 (2.382 vs 2.345 ms at npl 1, 4.433 vs 4.396 at npl 8;
+benchmarks/results/small_round4/), so it was removed.
 
 Gluon kernels do not run under TRITON_INTERPRET; `available()` says whether this path can run.
 """
@@ -48,8 +46,6 @@ try:  # Gluon ships with triton >= 3.5; the layout / mma_v2 API used here is the
 except ImportError:  # pragma: no cover
     HAVE_GLUON = False
 
-from linrnn_kernels.gemv.config import pdl_launch_kwargs
-from linrnn_kernels.gemv.skinny import gdc_launch_dependents, gdc_wait
 from linrnn_kernels.moe import nvfp4_layout as lay
 
 # default tile (measured on the H200, results/kernels/moe/moe_mma_*: the (tokens, warps, units, groups,
@@ -146,12 +142,7 @@ if HAVE_GLUON:
             SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-            WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, PDL: gl.constexpr):
-        if PDL:  # programmatic dependent launch: the next kernel may launch now (it waits for this grid before
-            # reading what it writes); this one waits for the previous grid before its first load (its expert ids,
-            # activations and tickets come from it): what overlaps is the launch, not the data
-            gdc_launch_dependents()
-            gdc_wait()
+            WCACHE: gl.constexpr, N_FASTEST: gl.constexpr):
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
         if N_FASTEST:  # the row tiles of one expert block run next to each other
@@ -470,11 +461,6 @@ def tickets(device) -> torch.Tensor:
     return t
 
 
-def _pdl_kwargs(x: torch.Tensor) -> dict:
-    """The MMA kernel's PDL launch options: opt-in (module docstring), on top of the global PDL switch."""
-    return pdl_launch_kwargs(x) if os.environ.get("LINRNN_MMA_PDL", "0") == "1" else {"PDL": False}
-
-
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
@@ -515,7 +501,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
-        **_hint_consts(weight_hint), N_FASTEST=n_fastest, num_warps=warps, **_pdl_kwargs(x))
+        **_hint_consts(weight_hint), N_FASTEST=n_fastest, num_warps=warps)
 
 
 # the persistent kernel holds both GEMMs' state (74 registers uncapped, 6 CTAs per SM); capped at 64 it
@@ -574,7 +560,7 @@ def launch_persistent(x: torch.Tensor, p13: lay.PackedNvfp4, p2: lay.PackedNvfp4
 
 def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
                     route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
-                    prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none", pdl: bool = True):
+                    prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none"):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -585,7 +571,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=route_weighted, SPLIT_K=split,
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
-                  FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, PDL=pdl)
+                  FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -681,22 +667,6 @@ def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
             "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
             "atomics": sum(1 for _, t in ins if re.search(r"\b(ATOMG|RED)\b", t)),
             "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared}
-
-
-def pdl_ptx_facts(pdl: bool = True) -> dict:
-    """PTX facts of the split-K gate_up kernel compiled for sm_90 (no GPU needed): the line numbers of the first
-    global load and of the grid-dependency instructions (None where absent). Clean process under TRITON_INTERPRET."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return in_clean_process(__name__, "pdl_ptx_facts", pdl=pdl)
-    ptx = compile_offline(gated=True, split=4, units=1, prefetch=True, fused_reduce=True, pdl=pdl).asm["ptx"]
-    lines = [ln.strip() for ln in ptx.splitlines()]
-
-    def first(pred):
-        return next((i for i, ln in enumerate(lines) if pred(ln)), None)
-
-    return {"first_load": first(lambda ln: "ld.global" in ln),
-            "wait": first(lambda ln: ln.startswith("griddepcontrol.wait")),
-            "launch_dependents": first(lambda ln: ln.startswith("griddepcontrol.launch_dependents"))}
 
 
 def persistent_compile_stats(splits: tuple[int, int] = (1, 1)) -> dict:
