@@ -365,6 +365,12 @@ def test_fused_router_matches_composition(poison_empty, M, E, top_k, extra, bloc
     exact = DEV == "cuda"
     assert torch.allclose(tw.float(), rw.to(dtype).float(), rtol=0 if exact else 2 ** -7, atol=0)
     assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
+    _assert_alignment(ids, rids, E, block_m, pair_blocks, sorted_ids, expert_ids, num_padded)
+    assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
+
+
+def _assert_alignment(ids, rids, E, block_m, pair_blocks, sorted_ids, expert_ids, num_padded):
+    """A launch's alignment is exactly the naive one: pair blocks of `ids`, or expert-sorted blocks of `rids`."""
     if pair_blocks:
         r_sorted, r_expert, r_n = moe_naive.moe_pair_blocks(ids, block_m)
         assert torch.equal(sorted_ids, r_sorted) and torch.equal(expert_ids, r_expert) and int(num_padded) == r_n
@@ -374,7 +380,6 @@ def test_fused_router_matches_composition(poison_empty, M, E, top_k, extra, bloc
     assert torch.equal(sorted_ids[:r_n], r_sorted)
     assert torch.equal(expert_ids[: r_n // block_m], r_expert)
     assert (expert_ids[r_n // block_m:] == -1).all()
-    assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
 
 
 @pytest.mark.parametrize("M,E,top_k,extra,block_m", [(1, 24, 4, 1, 8), (2, 40, 3, 0, 16), (1, 16, 8, 1, 8),
@@ -390,17 +395,11 @@ def test_route_align_logits_matches_composition(poison_empty, M, E, top_k, extra
     assert torch.equal(ids.long(), rids)
     exact = DEV == "cuda"  # the CPU interpreter's f32 -> bf16 cast truncates
     assert torch.allclose(tw.float(), rw.bfloat16().float(), rtol=0 if exact else 2 ** -7, atol=0)
+    _assert_alignment(ids, rids, E, block_m, pair_blocks, sorted_ids, expert_ids, num_padded)
     if pair_blocks:
-        r_sorted, r_expert, r_n = moe_naive.moe_pair_blocks(ids, block_m)
-        assert torch.equal(sorted_ids, r_sorted) and torch.equal(expert_ids, r_expert) and int(num_padded) == r_n
         with pytest.raises(ValueError, match="pair blocks"):
             router_fused.route_align_logits(logits.repeat(9, 1), E, top_k, True, 8, torch.bfloat16, pair_blocks=True)
         return
-    r_sorted, r_expert, r_n = moe_naive.moe_align_block_size(rids, E, block_m)
-    assert int(num_padded) == r_n
-    assert torch.equal(sorted_ids[:r_n], r_sorted)
-    assert torch.equal(expert_ids[: r_n // block_m], r_expert)
-    assert (expert_ids[r_n // block_m:] == -1).all()
     with pytest.raises(ValueError, match="M \\* top_k"):
         router_fused.route_align_logits(torch.randn(2, E, device=DEV), E, 8, True, 8, torch.bfloat16)
 
