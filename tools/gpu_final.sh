@@ -6,6 +6,8 @@
 #                               # vs vLLM 0.26, profiles at npl 1 / 128); grammar-mask cost at npl 32
 #   bash tools/gpu_final.sh B   # ~5 min: serving through the engine-core process (c = 1, 64); prefix-caching
 #                               # benefit (multi-turn on / off)
+#   bash tools/gpu_final.sh H   # ~1 min: the CPU host-overhead benchmark (stubbed forward, no GPU) on this
+#                               # machine's 16 cores, where the core, the API server and 128 clients each get one
 # Results under $OUT (tarballs + short tables).
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; R=/tmp/final; mkdir -p $R $OUT
@@ -69,8 +71,16 @@ part_b() {
   rm -f $R/*.tgz; tar czf $OUT/final_b.tgz -C /tmp final
 }
 
+part_h() {
+  CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 240 python3 -m linrnn_bench.host_overhead --batch 1,128 --tokens 256 \
+    --out $R/host_overhead > $R/host_overhead.log 2>&1
+  el "host overhead done"; cat $R/host_overhead/host_overhead.md
+  tar czf $OUT/final_h.tgz -C /tmp final
+}
+
 case "${1:-A}" in
   T) part_t ;;
   A) part_a ;;
   B) part_b ;;
+  H) part_h ;;
 esac
