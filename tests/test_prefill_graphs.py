@@ -30,8 +30,16 @@ DEVICE = "cuda" if CUDA else "cpu"
 SLOTS, BLOCKS, BS = 7, 24, 16
 
 
-def test_prefill_buckets():
+def test_prefill_buckets(monkeypatch):
+    # powers of two to 128, then four per octave: at most 25 % padding above 128 tokens
+    assert prefill_buckets(2048) == [16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+                                     1280, 1536, 1792, 2048]
+    assert all(b / a <= 1.25 for a, b in zip(prefill_buckets(2048)[3:], prefill_buckets(2048)[4:]))
+    assert prefill_buckets(300) == [16, 32, 64, 128, 160, 192, 224, 256, 320]
+    assert prefill_buckets(2048, per_octave=1) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    monkeypatch.setenv("LINRNN_PREFILL_BUCKETS", "pow2")
     assert prefill_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    monkeypatch.delenv("LINRNN_PREFILL_BUCKETS")
     assert prefill_buckets(100) == [16, 32, 64, 128]
     assert prefill_buckets(1) == [16]
     assert prefill_buckets(10 ** 6)[-1] == PREFILL_GRAPH_MAX_TOKENS

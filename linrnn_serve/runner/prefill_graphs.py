@@ -3,8 +3,9 @@
 An eager prefill forward of the 35B-A3B model launches ~1700 kernels: ~65 ms of host time for 11 ms
 of GPU work at 128 tokens (H200), flat up to ~1k tokens; replayed from a graph, `bench batched` T_PP of
 one 128-token prompt is 14 ms instead of 104 ms (benchmarks/results/prefill_graphs/). Prefill forwards of up to
-PREFILL_GRAPH_MAX_TOKENS tokens therefore run in the smallest bucket of T_b >= T tokens (16, 32, 64,
-..., powers of two) with a fixed number of sequence rows S_b = min(max_num_seqs, T_b) + 1:
+PREFILL_GRAPH_MAX_TOKENS tokens therefore run in the smallest bucket of T_b >= T tokens (16, 32, 64, 128,
+then four per octave: 160, 192, 224, 256, 320, ...) with a fixed number of sequence rows
+S_b = min(max_num_seqs, T_b) + 1:
 
     rows 0 .. n-1     the real sequences, their tokens first (tokens 0 .. T-1)
     row n             the padding sequence: tokens T .. T_b-1 (token id 0, positions 0, 1, ...), recurrent
@@ -32,6 +33,7 @@ On the CPU padding is off (no graphs to match); tests switch it on.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -44,16 +46,26 @@ log = logging.getLogger(__name__)
 # shapes) hides the eager launch cost, and a bigger bucket would hold more graph memory.
 PREFILL_GRAPH_MAX_TOKENS = 2048
 MIN_BUCKET = 16
+# Above 128 tokens a padded token costs about what a real one does (every layer computes it; in the MoE the
+# padding tokens, all alike, pile onto the same few experts), so buckets are four per octave: at most 25 %
+# padding where powers of two wasted up to 50 % (a 129-token restored turn ran as 256, 1161 tokens as 2048).
+# LINRNN_PREFILL_BUCKETS=pow2 gives the powers of two back (A/B runs).
+FINE_FROM = 128
+PER_OCTAVE = 4
 
 
-def prefill_buckets(max_num_batched_tokens: int, max_tokens: int = PREFILL_GRAPH_MAX_TOKENS) -> list[int]:
-    """Token buckets 16, 32, ... up to the first power of two >= min(max_num_batched_tokens, max_tokens)."""
+def prefill_buckets(max_num_batched_tokens: int, max_tokens: int = PREFILL_GRAPH_MAX_TOKENS,
+                    per_octave: int | None = None) -> list[int]:
+    """Token buckets 16, 32, 64, 128, then `per_octave` per doubling (128 + 32, 128 + 64, ...), up to the first
+    bucket >= min(max_num_batched_tokens, max_tokens)."""
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if per_octave is None:
+        per_octave = 1 if os.environ.get("LINRNN_PREFILL_BUCKETS") == "pow2" else PER_OCTAVE
     cap = min(max_num_batched_tokens, max_tokens)
     out, b = [MIN_BUCKET], MIN_BUCKET
     while b < cap:
-        b *= 2
+        b += b if b < FINE_FROM else (1 << (b.bit_length() - 1)) // per_octave
         out.append(b)
     return out
 
