@@ -82,48 +82,45 @@ def test_pack_rejects_bad_scales():
 
 
 def test_decode_emulation_exhaustive():
-    """Every code at every position of a word x every positive finite E4M3 scale (and 0): the
-    kernel's bit operations and scale IMAD give code x scale x 2^-7 exactly, as a normal bf16."""
-    codes = torch.arange(16)
-    # words with code c at position e and a different filler elsewhere (catches bleed between fields)
-    for filler in (0, 7, 8, 15):
-        c = codes.view(16, 1, 1).expand(16, 8, 8).clone()  # [code, position e, slot]
-        e_idx = torch.arange(8)
-        c[:, :, :] = filler
-        c[:, e_idx, e_idx] = codes.view(16, 1)
-        fields = c.reshape(128, 8)
-        packed = (fields[:, 0::2] | (fields[:, 1::2] << 4)).to(torch.uint8)[None]  # [1, 128 rows, 4 bytes]
-        packed = torch.nn.functional.pad(packed, (0, 28))  # 64 codes per row
+    """Every code at every k of a unit (so at every position of every lane's words) x every positive finite
+    E4M3 scale (and 0), packed and then decoded as the kernels do (nvfp4_layout.emulate_kernel_decode: the
+    lane's bit operations, its scale byte and IMAD, the k each output pair stands for): code x scale x 2^-7
+    exactly, as a normal bf16, signed zeros kept."""
+    k = torch.arange(64)
+    fields = (torch.arange(16).view(16, 1) + k.view(1, 64)) % 16  # row c: code (c + k) % 16 at k
+    fields = torch.cat([fields, fields.flip(-1)], 0)  # 32 rows: two tiles
+    packed = (fields[:, 0::2] | (fields[:, 1::2] << 4)).to(torch.uint8)[None]
+    for gated in (False, True):
         for sbits in range(0, 0x7F):
-            bs = torch.full((1, 128, 4), sbits, dtype=torch.uint8).view(torch.float8_e4m3fn)
-            p = lay.pack(packed, bs, torch.ones(1, 128), gated=False)
-            # words of unit 0: [E, T, 128] lane * 4 + wi; re-derive each row's first word
-            words = p.codes[0, :, 0].reshape(8, 8, 4, 2, 2)  # [T, g, t, cb, r8]
-            words = words[:, :, 0, 0, :].permute(0, 2, 1).reshape(128).long() & 0xFFFFFFFF  # rows' k 0..7
-            sc = p.scales[0, :, 0].reshape(8, 8, 2, 2, 2)[:, :, 0, 0, :].permute(0, 2, 1).reshape(128)
-            outs = lay.decode_words(words)
-            pair = lay.scale_pair(sc)
-            s_lo, s_hi = lay.bf16_half(pair, False), lay.bf16_half(pair, True)
-            assert torch.equal(s_lo, s_hi)
-            got = torch.stack([torch.stack([lay.bf16_half(o, h) for h in (False, True)], -1) for o in outs], 1)
-            got = got.reshape(128, 8) * s_lo[:, None]  # f32 product of two bf16: exact
-            ref = nvfp4.e2m1_lut()[fields.long()] * float(bs.view(torch.uint8)[0, 0, 0].view(torch.float8_e4m3fn).float())
-            if sbits == 0:
-                ref = torch.zeros_like(ref)
-            assert torch.equal(got, ref / lay.DECODE_GAIN), (filler, sbits)
+            bs = torch.full((1, 32, 4), sbits, dtype=torch.uint8)
+            bs[0, :, 1] = (sbits + 37) % 0x7F  # blocks of one row with different scales
+            bs = bs.view(torch.float8_e4m3fn)
+            got = lay.emulate_kernel_decode(lay.pack(packed, bs, torch.ones(1, 32), gated=gated))[0]
+            ref = nvfp4.e2m1_lut()[fields.long()] * bs[0].float().repeat_interleave(16, -1)
+            assert torch.equal(got, ref / lay.DECODE_GAIN), (gated, sbits)
             assert torch.equal(got.bfloat16().float(), got)  # exact in bf16
             nz = got != 0
             assert (got[nz].abs() >= 2.0 ** -126).all()  # normal: no subnormal product
             # signed zeros survive: -0 codes give -0 (fma with a -0 addend keeps them)
-            neg0 = (fields == 8) & (sbits != 0)
+            neg0 = (fields == 8) & (bs[0].float().repeat_interleave(16, -1) != 0)
             assert torch.equal(torch.signbit(got[neg0]), torch.ones(int(neg0.sum()), dtype=torch.bool))
+
+
+def test_emulated_decode_equals_dequant_random():
+    """Random odd-shaped experts (padding of rows and K, zero-scale blocks): the emulated kernel decode is the
+    reference dequantization without the row scale (nvfp4.dequantize with row scale 1) exactly."""
+    gen = torch.Generator().manual_seed(3)
+    for E, n, k, gated in ((2, 40, 160, True), (1, 33, 96, False), (3, 2 * 24, 64, True)):
+        packed, bs, rs = _random_nvfp4(E, n, k, gen)
+        dec = lay.emulate_kernel_decode(lay.pack(packed, bs, rs, gated))
+        assert torch.equal(dec * lay.DECODE_GAIN, nvfp4.dequantize(packed, bs, torch.ones_like(rs)))
 
 
 def test_decode_asm_matches_emulation_text():
     """The PTX the kernel runs is the emulated sequence: 11 integer ops per word, 4 bf16x2 FMAs,
-    one PRMT + one IMAD per scale."""
+    one PRMT + one IMAD per scale (two per lane: both words of a row share its block scale)."""
     asm = nvfp4_mma.DECODE_ASM
-    assert asm.count("fma.rn.bf16x2") == 16 and asm.count("prmt.b32") == 4 and asm.count("mad.lo.u32") == 4
+    assert asm.count("fma.rn.bf16x2") == 16 and asm.count("prmt.b32") == 2 and asm.count("mad.lo.u32") == 2
     # 13 PTX ops per word; ptxas fuses the and/or pairs into LOP3: 11 SASS (the compile test counts)
     assert sum(asm.count(op) for op in ("and.b32", "or.b32", "shl.b32", "shr.b32")) == 52
     assert "0x81C081C0" in asm and f"{lay.SCALE_BIAS:#x}" in asm

@@ -18,19 +18,20 @@ from test_nvfp4_mma import _weights  # noqa: E402  (Qwen-style NVFP4 experts, re
 
 
 def test_permute_k_is_the_wgmma_fragment_order():
-    """A lane's 8 consecutive k of the packed layout (k = 8 t + e within 32) must sit where the wgmma
-    register fragment reads them: the value at packed (t, e = 4 p + 2 q + h) is the A element at
-    k = 16 p + 8 q + 2 t + h (m16n8k16: a0 a1 = 2t, 2t + 1; a4 a5 = 2t + 8, 2t + 9; second k16 for p = 1)."""
-    x = torch.arange(2 * 64, dtype=torch.float32).view(2, 64)
+    """Lane t's code words of the packed layout hold k = 16 t + 4 j + 2 cb + h of each 64 (j = 2 p + q; nvfp4_layout),
+    and the decode hands word cb's pair j to the wgmma register fragment as k16 block 2 cb + p, k = 8 q + 2 t + h in
+    it (m16n8k16: a0 a1 = 2t, 2t + 1; a4 a5 = 2t + 8, 2t + 9): the activation value of that packed k must sit there."""
+    x = torch.arange(2 * 128, dtype=torch.float32).view(2, 128)
     xp = nvfp4_wgmma.permute_k(x)
-    for base in (0, 32):
+    for base in (0, 64):
         for t in range(4):
             for p in range(2):
                 for q in range(2):
-                    for h in range(2):
-                        real = base + 8 * t + 4 * p + 2 * q + h
-                        frag = base + 16 * p + 8 * q + 2 * t + h
-                        assert torch.equal(xp[:, frag], x[:, real])
+                    for cb in range(2):
+                        for h in range(2):
+                            real = base + 16 * t + 4 * (2 * p + q) + 2 * cb + h
+                            frag = base + 32 * cb + 16 * p + 8 * q + 2 * t + h
+                            assert torch.equal(xp[:, frag], x[:, real])
     assert torch.equal(nvfp4_wgmma.unpermute_k(xp), x)
 
 

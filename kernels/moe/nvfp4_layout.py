@@ -2,14 +2,22 @@
 
 The decode kernel puts weight rows on the M side of `mma.sync m16n8k16` (bf16, k_width 8) and an
 expert's tokens on N (8). In that operand layout lane l = 4g + t of a warp holds, for a 16-row tile
-and 64 k, the rows g and g + 8 at k = 32 cb + 8 t .. + 7 (cb = 0, 1): four 32-bit words of 8 codes.
-`pack` stores exactly those four words as the lane's 16 bytes, so one coalesced 512-byte warp load
-of a "unit" (16 rows x 64 k) is the whole A fragment; no layout conversion at run time.
+and 64 k, rows g and g + 8 in four 32-bit words of 8 codes (cb = 0, 1 for each row); the MMA j (of 4)
+takes the code pairs 2j, 2j + 1 of the cb = 0 words as its low k half and of the cb = 1 words as its
+high k half, against the activation register pairs of the same k. `pack` stores the four words as the
+lane's 16 bytes, so one coalesced 512-byte warp load of a "unit" (16 rows x 64 k) is the whole A
+fragment; no layout conversion at run time. Which k each code stands for is chosen so that the
+activations can stay in natural order: the lane's word cb holds, for j = 0..3 and h = 0, 1, the code of
+k = 16 t + 4 j + 2 cb + h, so MMA j's low and high k pairs are k = 16 t + 4 j + (0, 1) and (2, 3): one
+16-byte activation load of 8 consecutive k (16 t .. 16 t + 7, or + 8 .. + 15) is two MMAs' ready B
+register pairs, and a word's 8 codes lie in one 16-k scale block (block t).
 
   codes  int32 [E, T, U, 128]  T = rows / 16 tiles, U = K / 64 units; word (lane, wi) at lane * 4 + wi,
-                               wi = 2 cb + r8 (r8: row g or g + 8); the word's 8 codes are k = 8c + e
-  scales uint8 [E, T, U, 64]   the E4M3 block scale of (row, block 2 cb + th) re-encoded (below) at
-                               byte (2 g + th) * 4 + wi; lanes t = 2 th, 2 th + 1 share them
+                               wi = 2 cb + r8 (r8: row g or g + 8); code e = 2 j + h of the word is
+                               k = 16 t + 4 j + 2 cb + h of the unit
+  scales uint8 [E, T, U, 64]   the E4M3 block scale of (row 8 r8 + g, block t) re-encoded (below) at
+                               byte (4 g + t) * 2 + r8: a lane's two scales (both its words of a row
+                               share one), 64 bytes per unit; lane l reads the 4-byte word l // 2
   row_scale f32 [E, N]         unchanged (the kernel reads it by the original row)
 
 Gated (w13 = [gate; up], 2I rows): tile i holds gate rows 8i .. 8i + 7 as r8 = 0 and the matching up
@@ -163,16 +171,16 @@ def pack(packed: torch.Tensor, block_scale: torch.Tensor, row_scale: torch.Tenso
     codes = _pad_rows(torch.nn.functional.pad(codes, (0, kp - k)), n, np_, gated)
     enc = _pad_rows(torch.nn.functional.pad(enc, (0, (kp - k) // 16)), n, np_, gated)
     T, U = np_ // 16, kp // 64
-    # codes [E, T, r8, g, U, cb, t, h, j] -> words
-    c = _tile_rows(codes, gated).reshape(E, T, 2, 8, U, 2, 4, 4, 2).long()  # (.., e = 2j + h) -> (j, h)
+    # codes [E, T, r8, g, U, t, j, cb, h] (k = 16 t + 4 j + 2 cb + h) -> [.., U, cb, t, j, h] -> words
+    c = _tile_rows(codes, gated).reshape(E, T, 2, 8, U, 4, 4, 2, 2).permute(0, 1, 2, 3, 4, 7, 5, 6, 8).long()
     mag, sign = c & 7, c >> 3
     h = torch.arange(2, device=c.device).view(1, 2)
     word = ((mag << (16 * h + torch.tensor(MAG_SHIFT, device=c.device).view(4, 1)))
             | (sign << (16 * h + torch.tensor(SIGN_BIT, device=c.device).view(4, 1)))).sum(dim=(-1, -2))
     word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)  # [E, T, r8, g, U, cb, t]
     words = word.permute(0, 1, 4, 3, 6, 5, 2).reshape(E, T, U, 128)  # lane = 4g + t, wi = 2cb + r8
-    s = _tile_rows(enc, gated).reshape(E, T, 2, 8, U, 2, 2)  # [E, T, r8, g, U, cb, th]
-    scales = s.permute(0, 1, 4, 3, 6, 5, 2).reshape(E, T, U, 64)  # (2g + th) * 4 + 2cb + r8
+    s = _tile_rows(enc, gated).reshape(E, T, 2, 8, U, 4)  # [E, T, r8, g, U, t (block)]
+    scales = s.permute(0, 1, 4, 3, 5, 2).reshape(E, T, U, 64)  # (4g + t) * 2 + r8
     rs = row_scale.float().contiguous()
     return PackedNvfp4(_with_slack(words), _with_slack(scales), rs, n, k, gated)
 
@@ -197,9 +205,9 @@ def unpack(p: PackedNvfp4):
     w = w[..., None, None]
     mag = (w >> (16 * h + torch.tensor(MAG_SHIFT, device=w.device).view(4, 1))) & 7
     sign = (w >> (16 * h + torch.tensor(SIGN_BIT, device=w.device).view(4, 1))) & 1
-    c = (mag | sign << 3).reshape(E, T, 2, 8, U * 64)  # (j, h) -> e = 2j + h
+    c = (mag | sign << 3).permute(0, 1, 2, 3, 4, 6, 7, 5, 8).reshape(E, T, 2, 8, U * 64)  # [.., U, t, j, cb, h]
     codes = _unpad_rows(_untile_rows(c, p.gated), p.n, p.gated)[..., :p.k].to(torch.uint8)
-    s = p.scales.reshape(E, T, U, 8, 2, 2, 2).permute(0, 1, 6, 3, 2, 5, 4).reshape(E, T, 2, 8, U * 4)
+    s = p.scales.reshape(E, T, U, 8, 4, 2).permute(0, 1, 5, 3, 2, 4).reshape(E, T, 2, 8, U * 4)
     enc = _unpad_rows(_untile_rows(s, p.gated), p.n, p.gated)[..., :p.k // 16]
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.contiguous(), decode_scales(enc.contiguous()), p.row_scale
@@ -225,3 +233,25 @@ def bf16_half(bits: torch.Tensor, hi: bool) -> torch.Tensor:
     """f32 value of the low / high bf16 half of 32-bit registers (held as int64)."""
     b = (bits >> 16 if hi else bits) & 0xFFFF
     return (b.to(torch.int32) << 16).view(torch.float32)
+
+
+def emulate_kernel_decode(p: PackedNvfp4) -> torch.Tensor:
+    """The kernels' in-register decode of every packed word, emulated bit for bit and placed by the layout
+    above (written from the lane's view, independently of pack): f32 [E, N, K] = code value x block scale
+    x 2^-7 (DECODE_GAIN; the row scale not applied). Lane l = 4 g + t reads code word wi = 2 cb + r8 and
+    scale word l // 2 (byte 2 (l % 2) + r8); output pair j of the word is k = 16 t + 4 j + 2 cb + (0, 1)."""
+    E, T, U, _ = p.codes.shape
+    idx = torch.arange(128)
+    lane, wi = idx // 4, idx % 4
+    g, t, cb, r8 = lane // 4, lane % 4, wi // 2, wi % 2
+    words = p.codes.long() & 0xFFFFFFFF  # [E, T, U, 128]
+    sbytes = p.scales.reshape(E, T, U, 16, 4)[:, :, :, lane // 2, 2 * (lane % 2) + r8]  # [E, T, U, 128]
+    s = bf16_half(scale_pair(sbytes), False)
+    out = torch.zeros(E, T, 2, 8, U * 64)
+    u = torch.arange(U).view(U, 1)
+    for j, o in enumerate(decode_words(words)):
+        for h in (0, 1):
+            v = (bf16_half(o, bool(h)) * s).bfloat16().float()  # the kernel's bf16x2 FMA (exact: tested)
+            k = u * 64 + (16 * t + 4 * j + 2 * cb + h).view(1, 128)  # [U, 128]
+            out[:, :, r8.view(1, 128).expand(U, 128), g.view(1, 128).expand(U, 128), k] = v
+    return _unpad_rows(_untile_rows(out, p.gated), p.n, p.gated)[..., :p.k]

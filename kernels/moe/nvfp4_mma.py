@@ -67,19 +67,23 @@ def _hint_consts(hint: str) -> dict:
     return {"WCACHE": cache, "EVICT": evict}
 TOKENS = (8, 16)  # MMA N: tokens per expert block (16: two n8 MMAs share each decoded A fragment)
 
-# $0..$15: out_j of words 0..3 (out0 w0..w3, out1 w0..w3, ...); $16..$19 the four code words; $20 the
-# lane's four re-encoded scale bytes (byte w for word w; $21..$27 repeat it). Per word w:
-#   s  = prmt(scales, byte w -> halves) ; s = s * 16 + bias   -> bf16 pair [v, v] x 2^119
-#   out_j = decode_j(q) * s  (bf16x2 FMA with -0 so signed zeros survive)
+# Operands: $16..$19 the lane's four code words w = 2 cb + r8; $20 its scale word (4 bytes: its own two
+# scales and its neighbour lane's, nvfp4_layout) and $24 / $28 the PRMT selectors of its row-g / row-g+8 byte
+# ($21..$23, $25..$27, $29..$31 repeat them: pack 4). Per row r8 (both its words share the scale):
+#   s_r8 = prmt(scale word, its byte -> both halves) ; s_r8 = s_r8 * 16 + bias   -> bf16 pair [v, v] x 2^119
+# per word: out_j = decode_j(q) * s_r8 (bf16x2 FMA with -0 so signed zeros survive): codes 2j, 2j + 1.
+# out_j of word w goes to $(2 (2 j + r8) + cb): output 2 j + r8 (pack 4: two registers, each a pair of its
+# elements), register cb. Triton reads that register as elements (2 cb, 2 cb + 1) of the output, so
+# decode_codes relabels: element 2 cb + h of output 2 j + r8 is code 2 j + h of word 2 cb + r8.
 def _decode_asm() -> str:
-    lines = ["{", ".reg .b32 s, a, b, nz;", "mov.b32 nz, 0x80008000;"]
+    lines = ["{", ".reg .b32 s0, s1, a, b, nz;", "mov.b32 nz, 0x80008000;"]
+    for r8 in range(2):
+        lines += [f"prmt.b32 s{r8}, $20, 0, ${24 + 4 * r8};", f"mad.lo.u32 s{r8}, s{r8}, 16, {lay.SCALE_BIAS:#x};"]
     for w in range(4):
         q = f"${16 + w}"
-        o = [f"${4 * j + w}" for j in range(4)]
-        sel = 0x4040 | (w << 8) | w
+        cb, r8 = divmod(w, 2)
+        o = [f"${2 * (2 * j + r8) + cb}" for j in range(4)]
         lines += [
-            f"prmt.b32 s, $20, 0, {sel:#x};",
-            f"mad.lo.u32 s, s, 16, {lay.SCALE_BIAS:#x};",
             f"and.b32 {o[2]}, {q}, 0x81C081C0;",
             f"shl.b32 a, {q}, 3;",
             f"and.b32 {o[1]}, a, 0x81C081C0;",
@@ -93,40 +97,83 @@ def _decode_asm() -> str:
             f"and.b32 a, a, 0x80008000;",
             f"and.b32 b, b, 0x01C001C0;",
             f"or.b32 {o[3]}, a, b;",
-        ] + [f"fma.rn.bf16x2 {o[j]}, {o[j]}, s, nz;" for j in range(4)]
+        ] + [f"fma.rn.bf16x2 {o[j]}, {o[j]}, s{r8}, nz;" for j in range(4)]
     lines.append("}")
     return "\n".join(lines)
 
 
 DECODE_ASM = _decode_asm()
-DECODE_CONSTRAINTS = ",".join(["=r"] * 16 + ["r"] * 12)
+DECODE_CONSTRAINTS = ",".join(["=r"] * 16 + ["r"] * 16)
 
 
 if HAVE_GLUON:
     @gluon.jit
-    def decode_codes(q, sw, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr,
-                     UNITS: gl.constexpr):
-        """In-register decode of a K step's codes q [w, u, lane, 8 (word, h)] with their scale words sw:
-        bf16 weights as [w, u, g, t, cb, r8, h, p, q] (join appends its new dim last: [.., p, q] holds
-        out_{2p + q}); each kernel permutes them into its MMA's A-fragment order. Shared by the mma_v2
-        (decode) and wgmma (prefill) kernels."""
-        s8 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(
-            DECODE, CONSTRAINTS, [q, s8],
-            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=8)
-        wts = gl.join(gl.join(o0, o2), gl.join(o1, o3))
-        return gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])
+    def scale_selector(lane):
+        """PRMT selector of lane `lane`'s row-g scale byte in its scale word (byte 2 (lane % 2); row g + 8:
+        + 0x101) replicated into both bf16 halves: 0x4040 | b << 8 | b."""
+        return 0x4040 + (lane % 2) * 0x202
 
     @gluon.jit
-    def _decode_mma(q, sw, x_base, x_off, offs_kb, k0, K, acc, a_op: gl.constexpr, EVEN_K: gl.constexpr,
-                    DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr):
+    def decode_codes(q, sw, sel, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr,
+                     UNITS: gl.constexpr):
+        """In-register decode of a K step's code words q [w, u, lane, 4 (cb, r8)] (int32) with their scale words
+        sw [w, u, lane] and the lanes' scale-byte selectors sel (scale_selector, any shape broadcasting to sw):
+        bf16 weights as [w, u, g, t, cb, r8, h, p, q] (row r8 * 8 + g, k = 16 t + 4 (2 p + q) + 2 cb + h);
+        each kernel permutes them into its MMA's A-fragment order. Shared by the mma_v2 (decode) and wgmma
+        (prefill) kernels. The code words stay int32 end to end: no 16-bit repacking of loop-carried words."""
+        s4 = gl.broadcast(gl.expand_dims(sw, 3), q)[0]
+        sel0 = gl.broadcast(gl.expand_dims(gl.broadcast(sel, sw)[0], 3), q)[0]
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            DECODE, CONSTRAINTS, [q, s4, sel0, sel0 + 0x101], dtype=(gl.bfloat16, ) * 8, is_pure=True, pack=4)
+        # output 2 j + r8, element 2 cb + h: join appends its new dim last
+        j0 = gl.join(o0, o1)  # [.., (cb, h), r8]
+        j1 = gl.join(o2, o3)
+        j2 = gl.join(o4, o5)
+        j3 = gl.join(o6, o7)
+        wts = gl.join(gl.join(j0, j2), gl.join(j1, j3))  # [.., (cb, h), r8, p, q], j = 2 p + q
+        wts = gl.reshape(wts, [WARPS, UNITS, 8, 4, 2, 2, 2, 2, 2])  # [w, u, g, t, cb, h, r8, p, q]
+        return gl.permute(wts, [0, 1, 2, 3, 4, 6, 5, 7, 8])
+
+    @gluon.jit
+    def l2_evict_first_policy(like):
+        """An L2 evict-first cache policy (createpolicy) in a register, one per element of `like` (int32): made
+        once before the K loop. triton 3.6 creates one next to every evict-first load, inside the loop."""
+        return gl.inline_asm_elementwise("createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l,r", [like],
+                                         dtype=gl.int64, is_pure=True, pack=1)
+
+    @gluon.jit
+    def load_weights(ptrs, policy, VEC: gl.constexpr, EVICT: gl.constexpr, WCACHE: gl.constexpr):
+        """Weight words (int32) at ptrs, a lane's VEC consecutive words (4 or 1) in one vector load. EVICT
+        "evict_first": through the L2 policy register `policy` (broadcast like ptrs; inline PTX, the
+        instruction triton emits, with the policy made outside the loop); else gl.load with WCACHE."""
+        if EVICT == "evict_first":
+            if VEC == 4:
+                return gl.inline_asm_elementwise(
+                    "ld.global.L1::evict_first.L2::cache_hint.v4.b32 {$0, $1, $2, $3}, [$4], $8;",
+                    "=r,=r,=r,=r,l,l,l,l,l,l,l,l", [ptrs, policy], dtype=gl.int32, is_pure=False, pack=4)
+            else:
+                return gl.inline_asm_elementwise("ld.global.L1::evict_first.L2::cache_hint.b32 $0, [$1], $2;",
+                                                 "=r,l,l", [ptrs, policy], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            return gl.load(ptrs, cache_modifier=WCACHE)
+
+    @gluon.jit
+    def _decode_mma(q, sw, sel, x_base, x_off, x_k, k0, K, acc, a_op: gl.constexpr, b_op: gl.constexpr,
+                    EVEN_K: gl.constexpr, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr,
+                    UNITS: gl.constexpr, TOK: gl.constexpr):
         """One K step: activations (B fragment), in-register decode of the codes q with scales sw,
-        regrouping into the A fragment (asserted trivial: no data movement), MMA."""
+        regrouping of both into the MMA operand layouts (asserted trivial: no data movement), MMA.
+        Activations: x_off [1, u, t, 16, n] (x_k: their k in the step), a lane's 16 consecutive k of one token
+        (two 16-byte loads), each load two MMAs' ready B register pairs (the packed codes' k order, nvfp4_layout)."""
         if EVEN_K:
             xb = gl.load(x_base + x_off)
         else:
-            xb = gl.load(x_base + x_off, mask=(k0 + offs_kb < K)[:, None], other=0.0)
-        wts = decode_codes(q, sw, DECODE, CONSTRAINTS, WARPS, UNITS)
+            xb = gl.load(x_base + x_off, mask=k0 + x_k < K, other=0.0)
+        # k = 16 t + 4 j + 2 cb + e -> the operand's k order (cb, t, j, e), the same as the weights' below
+        xb = gl.reshape(xb, [UNITS, 4, 4, 2, 2, TOK])  # [u, t, j, cb, e, n]
+        xb = gl.reshape(gl.permute(xb, [0, 3, 1, 2, 4, 5]), [64 * UNITS, TOK])
+        xb = gl.convert_layout(xb, b_op, assert_trivial=True)
+        wts = decode_codes(q, sw, sel, DECODE, CONSTRAINTS, WARPS, UNITS)
         wts = gl.permute(wts, [0, 5, 2, 1, 4, 3, 7, 8, 6])  # row = (w, r8, g); k = (u, cb, t, p, q, h)
         wts = gl.reshape(wts, [16 * WARPS, 64 * UNITS])
         a = gl.convert_layout(wts, a_op, assert_trivial=True)
@@ -192,43 +239,51 @@ if HAVE_GLUON:
                                                       instr_shape=[16, 8])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        # raw code words as loaded: [warp, unit, lane, 8 int16], one 16-byte vector per (warp, unit)
-        raw: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 8], threads_per_warp=[1, 1, 32, 1],
+        # raw code words as loaded: [warp, unit, lane, 4 int32], one 16-byte vector per (warp, unit)
+        raw: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
                                              warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
         sraw: gl.constexpr = gl.SliceLayout(3, raw)
 
 
         # activations (B operand [BK, 8]): rows of this 8-token block. Padding slots read row 0:
         # their accumulator columns are never stored, so no load mask (and no zero-fill) is needed
-        offs_n = gl.arange(0, TOK, layout=gl.SliceLayout(0, b_op))
-        ids_b = gl.load(sorted_ids_ptr + pid_m * TOK + offs_n)
+        # [1, unit, t, 16 k, n]: lane (n, t) holds k 16 t .. 16 t + 15 of each unit of token n (every warp all)
+        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 16, 1], threads_per_warp=[1, 1, 4, 1, 8],
+                                            warps_per_cta=[WARPS, 1, 1, 1, 1], order=[3, 2, 4, 1, 0])
+        xn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, xl)))))
+        xu = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, xl)))))
+        xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, xl)))))
+        xp = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, xl)))))
+        ids_b = gl.load(sorted_ids_ptr + pid_m * TOK + xn)
         a_rows = gl.where(ids_b < num_rows, ids_b // A_ROW_DIV, 0).to(gl.int64)
-        offs_kb = gl.arange(0, BK, layout=gl.SliceLayout(1, b_op))
-        x_off = a_rows[None, :] * stride_x + offs_kb[:, None]
+        x_k = xu[None, :, None, None, None] * 64 + xt[None, None, :, None, None] * 16 + xp[None, None, None, :, None]
+        x_off = a_rows[None, None, None, None, :] * stride_x + x_k
 
         units_per_split = k_units // SPLIT_K
         u_lo = pid_k * units_per_split
 
-        # code words (int16 view, 8 per lane per unit) at ((tile * k_units + unit) * 32 + lane) * 8 + e;
+        # code words (4 per lane per unit) at ((tile * k_units + unit) * 32 + lane) * 4 + e;
         # loop-invariant offsets from scalar bases that advance by one K step
         offs_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
         offs_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
         offs_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, raw))))
-        offs_e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, raw))))
-        c_off = ((offs_w[:, None, None, None] * k_units + offs_u[None, :, None, None]) * 256
-                 + offs_l[None, None, :, None] * 8 + offs_e[None, None, None, :])
-        # scale words (int32 view): lane (g, t) reads byte (2g + t // 2) * 4 of its unit's 64 bytes
+        offs_e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, raw))))
+        c_off = ((offs_w[:, None, None, None] * k_units + offs_u[None, :, None, None]) * 128
+                 + offs_l[None, None, :, None] * 4 + offs_e[None, None, None, :])
+        # scale words (int32 view): lane l reads word l // 2 of its unit's 16 (its two bytes and its neighbour's)
         so_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sraw)))
         so_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, sraw)))
         so_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sraw)))
-        s_off = ((so_w[:, None, None] * k_units + so_u[None, :, None]) * 16
-                 + ((so_l // 4) * 2 + (so_l % 4) // 2)[None, None, :])
+        s_off = (so_w[:, None, None] * k_units + so_u[None, :, None]) * 16 + (so_l // 2)[None, None, :]
+        sel = scale_selector(so_l)[None, None, :]
+        spol = l2_evict_first_policy(s_off)  # the weight loads' L2 policy (EVICT evict_first), made once
+        cpol = gl.broadcast(gl.expand_dims(spol, 3), c_off)[0]
         # GROUPS row groups of 16 * WARPS rows per CTA, one after the other: longer CTAs amortize the
         # prologue (expert id, token ids) where K is short (down_proj: K = 512 is two K steps)
         for grp in range(GROUPS):
             tile0 = (pid_n * GROUPS + grp) * WARPS
             unit0 = tile0.to(gl.int64) * k_units + u_lo
-            c_base = codes_ptr + expert * stride_ce + unit0 * 256
+            c_base = codes_ptr + expert * stride_ce + unit0 * 128
             s_base = scales_ptr + expert * stride_se + unit0 * 16
             x_base = x_ptr + u_lo * 64
 
@@ -237,27 +292,27 @@ if HAVE_GLUON:
             if PREFETCH:
                 # two K steps per iteration, ping-pong: the codes and scales of the next step are in
                 # flight while this one is decoded (the last loads read pack()'s slack, unused)
-                qa = gl.load(c_base + c_off, cache_modifier=WCACHE, eviction_policy=EVICT)
-                sa = gl.load(s_base + s_off, cache_modifier=WCACHE, eviction_policy=EVICT)
+                qa = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
+                sa = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
                 for k0 in range(u_lo * 64, k_end, 2 * BK):
-                    qb = gl.load(c_base + UNITS * 256 + c_off, cache_modifier=WCACHE, eviction_policy=EVICT)
-                    sb = gl.load(s_base + UNITS * 16 + s_off, cache_modifier=WCACHE, eviction_policy=EVICT)
-                    acc = _decode_mma(qa, sa, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
-                                      CONSTRAINTS, WARPS, UNITS)
-                    qa = gl.load(c_base + 2 * UNITS * 256 + c_off, cache_modifier=WCACHE, eviction_policy=EVICT)
-                    sa = gl.load(s_base + 2 * UNITS * 16 + s_off, cache_modifier=WCACHE, eviction_policy=EVICT)
-                    acc = _decode_mma(qb, sb, x_base + BK, x_off, offs_kb, k0 + BK, K, acc, a_op, EVEN_K,
-                                      DECODE, CONSTRAINTS, WARPS, UNITS)
-                    c_base += 2 * UNITS * 256
+                    qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
+                    sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
+                    acc = _decode_mma(qa, sa, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
+                                      CONSTRAINTS, WARPS, UNITS, TOK)
+                    qa = load_weights(c_base + 2 * UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
+                    sa = load_weights(s_base + 2 * UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
+                    acc = _decode_mma(qb, sb, sel, x_base + BK, x_off, x_k, k0 + BK, K, acc, a_op, b_op, EVEN_K,
+                                      DECODE, CONSTRAINTS, WARPS, UNITS, TOK)
+                    c_base += 2 * UNITS * 128
                     s_base += 2 * UNITS * 16
                     x_base += 2 * BK
             else:
                 for k0 in range(u_lo * 64, k_end, BK):
-                    q = gl.load(c_base + c_off, cache_modifier=WCACHE, eviction_policy=EVICT)
-                    sw = gl.load(s_base + s_off, cache_modifier=WCACHE, eviction_policy=EVICT)
-                    acc = _decode_mma(q, sw, x_base, x_off, offs_kb, k0, K, acc, a_op, EVEN_K, DECODE,
-                                      CONSTRAINTS, WARPS, UNITS)
-                    c_base += UNITS * 256
+                    q = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
+                    sw = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
+                    acc = _decode_mma(q, sw, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
+                                      CONSTRAINTS, WARPS, UNITS, TOK)
+                    c_base += UNITS * 128
                     s_base += UNITS * 16
                     x_base += BK
 
@@ -483,7 +538,6 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     # with an even step count and over buffers with pack()'s slack
     prefetch = (prefetch and (U // split // units) % 2 == 0 and lay.has_slack(w.codes)
                 and lay.has_slack(w.scales))
-    codes16 = w.codes.view(torch.int16)
     scales32 = w.scales.view(torch.int32)
     grid = (num_m_blocks * (T // (warps * groups)), split)
     fused = h is not None
@@ -491,12 +545,12 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         raise ValueError(f"the fused split-K reduction needs gated weights, split > 1 and <= {TICKETS} tiles")
     dummy = out
     _nvfp4_mma_kernel[grid](
-        x, x.stride(0), codes16, scales32, w.row_scale, out,
+        x, x.stride(0), w.codes, scales32, w.row_scale, out,
         out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
         sorted_ids, expert_ids, route_weights if route_weights is not None else dummy,
         h if fused else dummy, h.stride(0) if fused else 0, tickets(x.device) if fused else sorted_ids,
         num_rows, w.n, w.k, T, U, num_m_blocks,
-        codes16.stride(0), scales32.stride(0), w.row_scale.stride(0),
+        w.codes.stride(0), scales32.stride(0), w.row_scale.stride(0),
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None,
         SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
@@ -539,8 +593,8 @@ def launch_persistent(x: torch.Tensor, p13: lay.PackedNvfp4, p2: lay.PackedNvfp4
             raise ValueError(f"k units {U} not divisible by split {s} x units {u}")
         pf = prefetch and (U // s // u) % 2 == 0 and lay.has_slack(p.codes) and lay.has_slack(p.scales)
         consts.update({f"UNITS{tag}": u, f"PREFETCH{tag}": pf, f"EVEN_K{tag}": p.k % 64 == 0 and p.k == U * 64})
-    c13, sc13 = p13.codes.view(torch.int16), p13.scales.view(torch.int32)
-    c2, sc2 = p2.codes.view(torch.int16), p2.scales.view(torch.int32)
+    c13, sc13 = p13.codes, p13.scales.view(torch.int32)
+    c2, sc2 = p2.codes, p2.scales.view(torch.int32)
     dummy = part
     grid = (num_sms(x.device) * ctas_per_sm,)
     _moe_persistent_kernel[grid](
@@ -563,7 +617,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none"):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
-    sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
+    sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
            "out_ptr": "*bf16" if (gated and split == 1) else "*fp32", "stride_os": "i32", "stride_om": "i32",
            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "route_w_ptr": "*bf16",
            "h_ptr": "*bf16", "stride_h": "i32", "tick_ptr": "*i32", "num_rows": "i32", "N": "i32", "K": "i32", "n_tiles": "i32", "k_units": "i32",
@@ -587,8 +641,8 @@ def compile_persistent_offline(splits: tuple[int, int] = (1, 1), units: int = DE
                                prefetch: bool = DEFAULT_PREFETCH, arch: int = 90, weight_hint: str = DEFAULT_WEIGHT_HINT):
     """triton.compile the persistent two-GEMM kernel for sm_<arch> (no GPU needed)."""
     from triton.backends.compiler import GPUTarget
-    ptrs = {"x_ptr": "*bf16", "c13_ptr": "*i16", "s13_ptr": "*i32", "rs13_ptr": "*fp32", "ws_ptr": "*fp32",
-            "h_ptr": "*bf16", "c2_ptr": "*i16", "s2_ptr": "*i32", "rs2_ptr": "*fp32", "part_ptr": "*fp32",
+    ptrs = {"x_ptr": "*bf16", "c13_ptr": "*i32", "s13_ptr": "*i32", "rs13_ptr": "*fp32", "ws_ptr": "*fp32",
+            "h_ptr": "*bf16", "c2_ptr": "*i32", "s2_ptr": "*i32", "rs2_ptr": "*fp32", "part_ptr": "*fp32",
             "route_w_ptr": "*bf16", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "tick_ptr": "*i32",
             "sync_ptr": "*i32"}
     consts = dict(A_ROW_DIV=8, SPLIT13=splits[0], SPLIT2=splits[1], UNITS13=units, UNITS2=units, WARPS=warps,

@@ -16,11 +16,11 @@ once per BLOCK_N = 64..256 tokens of one expert and runs it on `wgmma.mma_async`
   one pipeline hides the HBM latency of both operands. A step's 4 wgmmas run back to back and are
   waited on before the next decode (one in flight across steps makes ptxas serialize them all); the
   3 CTAs an SM holds overlap one's decode with another's MMAs.
-K order: a lane holds 8 consecutive k of a row (the decode kernel's k_width 8), but a wgmma register
-fragment means k = 2t, 2t + 1, 2t + 8, 2t + 9 of each 16, and shared-memory B is read in natural k
-order. So the activations are stored k-permuted within every 32 k (`permute_k`, a transpose of a
-4 x 4 grid of k pairs): the gate_up input is permuted once per call, and the gate_up epilogue writes
-its output h already in that order for the down GEMM.
+K order: lane t's code words hold the k = 16 t + 4 j + 2 cb + h of each 64 (the packed layout, chosen for the
+decode kernel's register B operand), but a wgmma register fragment means k = 2t, 2t + 1, 2t + 8, 2t + 9 of
+each 16, and shared-memory B is read in natural k order. So the activations are stored k-permuted within
+every 64 k (`permute_k`): the gate_up input is permuted once per call, and the gate_up epilogue writes its
+output h already in that order for the down GEMM.
 Epilogues: gate_up (gate and up rows interleaved per 16-row tile, so one thread holds both) writes
 SiLU(gate) * up in bf16; down multiplies by the row scale and routing weight and writes f32 partials
 [pairs, H] that grouped_gemm.sum_reduce adds per token in a fixed order: no atomics, bitwise
@@ -60,20 +60,20 @@ DEFAULT_UNITS = 2
 
 
 def permute_k(x: torch.Tensor) -> torch.Tensor:
-    """Activations [T, K] -> the wgmma kernel's k order (a new contiguous tensor): within every 32 k,
-    the value of k = 8 t + 4 p + 2 q + h goes to 16 p + 8 q + 2 t + h (K must be a multiple of 64)."""
+    """Activations [T, K] -> the wgmma kernel's k order (a new contiguous tensor): within every 64 k,
+    the value of k = 16 t + 8 p + 4 q + 2 cb + h goes to 32 cb + 16 p + 8 q + 2 t + h (K a multiple of 64)."""
     T, K = x.shape
-    return x.reshape(T, K // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(T, K)
+    return x.reshape(T, K // 64, 4, 2, 2, 2, 2).permute(0, 1, 5, 3, 4, 2, 6).reshape(T, K)
 
 
 def unpermute_k(x: torch.Tensor) -> torch.Tensor:
     T, K = x.shape
-    return x.reshape(T, K // 32, 2, 2, 4, 2).permute(0, 1, 4, 2, 3, 5).reshape(T, K)
+    return x.reshape(T, K // 64, 2, 2, 2, 4, 2).permute(0, 1, 5, 3, 4, 2, 6).reshape(T, K)
 
 
 if nvfp4_mma.HAVE_GLUON:
     @gluon.jit
-    def _k_step(i, acc, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, a_op: gl.constexpr,
+    def _k_step(i, acc, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, sel, a_op: gl.constexpr,
                 raw: gl.constexpr, sraw: gl.constexpr, STAGES: gl.constexpr, UNITS: gl.constexpr,
                 WARPS: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, DECODE: gl.constexpr,
                 CONSTRAINTS: gl.constexpr, PROXY_FENCE: gl.constexpr):
@@ -89,15 +89,15 @@ if nvfp4_mma.HAVE_GLUON:
         st = (i + STAGES - 2) % STAGES
         for u in gl.static_range(UNITS):
             _cp_async(x_smem.index(st * UNITS + u), x_ptrs + (nxt * UNITS + u) * BK, mask=x_mask)
-        _cp_async(c_smem.index(st), c_ptrs + nxt * UNITS * 256)
+        _cp_async(c_smem.index(st), c_ptrs + nxt * UNITS * 128)
         _cp_async(s_smem.index(st), s_ptrs + nxt * UNITS * 16)
         async_copy.commit_group()
 
         cur = i % STAGES
         q = c_smem.index(cur).load(raw)
         sw = s_smem.index(cur).load(sraw)
-        # the wgmma fragment's k order within 32 k is (p, q, t, h) (see permute_k)
-        wts = nvfp4_mma.decode_codes(q, sw, DECODE, CONSTRAINTS, WARPS, UNITS)
+        # the wgmma fragment's k order within 64 k is (cb, p, q, t, h) (see permute_k)
+        wts = nvfp4_mma.decode_codes(q, sw, sel, DECODE, CONSTRAINTS, WARPS, UNITS)
         wts = gl.permute(wts, [0, 5, 2, 1, 4, 7, 8, 3, 6])  # row = (w, r8, g); k = (u, cb, p, q, t, h)
         if UNITS == 1:
             a = gl.convert_layout(gl.reshape(wts, [ROWS, BK]), a_op, assert_trivial=True)
@@ -124,15 +124,15 @@ if nvfp4_mma.HAVE_GLUON:
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-        # raw code words as copied and read back: [warp, unit, lane, 8 int16], 16 bytes per lane
-        raw: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 8], threads_per_warp=[1, 1, 32, 1],
+        # raw code words as copied and read back: [warp, unit, lane, 4 int32], 16 bytes per lane
+        raw: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
                                              warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
         sraw: gl.constexpr = gl.SliceLayout(3, raw)
         # activation tile [BLOCK_N, BK] as copied: 16 bytes per lane, a row's 128 bytes over 8 lanes
         xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                             warps_per_cta=[WARPS, 1], order=[1, 0])
         x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        c_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
+        c_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
         s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
 
         pid = gl.program_id(0)
@@ -159,20 +159,20 @@ if nvfp4_mma.HAVE_GLUON:
         offs_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
         offs_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
         offs_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, raw))))
-        offs_e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, raw))))
-        c_ptrs = (codes_ptr + expert * stride_ce + unit0 * 256
-                  + ((offs_w[:, None, None, None] * k_units + offs_u[None, :, None, None]) * 256
-                     + offs_l[None, None, :, None] * 8 + offs_e[None, None, None, :]))
+        offs_e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, raw))))
+        c_ptrs = (codes_ptr + expert * stride_ce + unit0 * 128
+                  + ((offs_w[:, None, None, None] * k_units + offs_u[None, :, None, None]) * 128
+                     + offs_l[None, None, :, None] * 4 + offs_e[None, None, None, :]))
         so_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sraw)))
         so_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, sraw)))
         so_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sraw)))
         s_ptrs = (scales_ptr + expert * stride_se + unit0 * 16
-                  + ((so_w[:, None, None] * k_units + so_u[None, :, None]) * 16
-                     + ((so_l // 4) * 2 + (so_l % 4) // 2)[None, None, :]))
+                  + ((so_w[:, None, None] * k_units + so_u[None, :, None]) * 16 + (so_l // 2)[None, None, :]))
+        sel = nvfp4_mma.scale_selector(so_l)[None, None, :]
 
         # a K step is UNITS units of 64 k: activation tiles [BLOCK_N, 64] (one per unit), codes, scales
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * UNITS, BLOCK_N, BK], x_sl)
-        c_smem = gl.allocate_shared_memory(gl.int16, [STAGES, WARPS, UNITS, 32, 8], c_sl)
+        c_smem = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, UNITS, 32, 4], c_sl)
         s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, UNITS, 32], s_sl)
         n_steps = k_units // UNITS
 
@@ -183,13 +183,13 @@ if nvfp4_mma.HAVE_GLUON:
             ks = gl.minimum(n_steps - 1, s)
             for u in gl.static_range(UNITS):
                 _cp_async(x_smem.index(s * UNITS + u), x_ptrs + (ks * UNITS + u) * BK, mask=x_mask)
-            _cp_async(c_smem.index(s), c_ptrs + ks * UNITS * 256)
+            _cp_async(c_smem.index(s), c_ptrs + ks * UNITS * 128)
             _cp_async(s_smem.index(s), s_ptrs + ks * UNITS * 16)
             async_copy.commit_group()
 
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=acc_l)
         for i in range(n_steps):
-            acc = _k_step(i, acc, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, a_op,
+            acc = _k_step(i, acc, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, sel, a_op,
                           raw, sraw, STAGES, UNITS, WARPS, ROWS, BK, DECODE, CONSTRAINTS, PROXY_FENCE)
             # wait for this step's wgmma before the next decode: keeping one in flight (also with two
             # accumulators for even / odd steps, tried) makes ptxas serialize every wgmma (C7515); the decode
@@ -222,8 +222,9 @@ if nvfp4_mma.HAVE_GLUON:
             hg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
             hn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
             col = (tile0 + hw)[:, None] * 8 + hg[None, :]
-            # stored in the down GEMM's k order (permute_k): col = 32 c + 8 t + 4 p + 2 q + h
-            pos = (col // 32) * 32 + ((col // 4) % 2) * 16 + ((col // 2) % 2) * 8 + ((col // 8) % 4) * 2 + col % 2
+            # stored in the down GEMM's k order (permute_k): col = 64 c + 16 t + 8 p + 4 q + 2 cb + h
+            pos = ((col // 64) * 64 + ((col // 2) % 2) * 32 + ((col // 8) % 2) * 16 + ((col // 4) % 2) * 8
+                   + ((col // 16) % 4) * 2 + col % 2)
             hids = gl.load(sorted_ids_ptr + pid_m * BLOCK_N + hn)
             hok = (col < half)[:, :, None] & (hids < num_rows)[None, None, :]
             gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + pos[:, :, None],
@@ -267,9 +268,9 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     tiles = T // warps
     grid = (num_m_blocks * tiles,)
     _nvfp4_wgmma_kernel[grid](
-        x, x.stride(0), w.codes.view(torch.int16), w.scales.view(torch.int32), w.row_scale, out, out.stride(0),
+        x, x.stride(0), w.codes, w.scales.view(torch.int32), w.row_scale, out, out.stride(0),
         sorted_ids, expert_ids, route_weights if route_weights is not None else out,
-        num_rows, w.n, U, tiles, w.codes.view(torch.int16).stride(0), w.scales.view(torch.int32).stride(0),
+        num_rows, w.n, U, tiles, w.codes.stride(0), w.scales.view(torch.int32).stride(0),
         w.row_scale.stride(0),
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None, BLOCK_N=block_n,
         STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
@@ -283,7 +284,7 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
                     units: int = 1, arch: int = 90):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
-    sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i16", "scales_ptr": "*i32", "rs_ptr": "*fp32",
+    sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
            "out_ptr": "*bf16" if gated else "*fp32", "stride_om": "i32",
            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "route_w_ptr": "*bf16",
            "num_rows": "i32", "N": "i32", "k_units": "i32", "num_row_tiles": "i32",
