@@ -71,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test; runs on CPU too)")
     p.add_argument("--mma-sweep", action="store_true",
                    help="also time the nvfp4/mma layer over MMA_CANDIDATES (tile, split-K, reduction, cache-hint variants)")
+    p.add_argument("--mma-candidates", default="",
+                   help="comma-separated MMA_CANDIDATES keys for --mma-sweep (default: all)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one graph replay per variant: device time per kernel")
 
@@ -302,10 +304,13 @@ def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict,
                   + "; ".join(f"{k}: {v:.2f}" for k, v in ipw.items())]
     pct_of = [v for v in ("nvfp4/mma", "nvfp4/mma-parts", "nvfp4/asm", "bf16/ours") if v in variants]
     gemm_pct = any(isinstance(r.get("profile", {}).get("nvfp4/mma"), dict) for r in rows)
+    ipw_col = any("mma_ipw" in r for r in rows)
     lines += ["", "| B | experts hit | " + " | ".join(f"{v} us" for v in variants)
               + "".join(f" | {v} % copy" for v in pct_of)
-              + " | mma x vs asm | mma x vs bf16/ours |" + (" nvfp4/mma routed GEMMs us (profile) | % copy |" if gemm_pct else ""),
-              "|---:|---:|" + "---:|" * (len(variants) + len(pct_of)) + "---:|---:|" + ("---:|---:|" if gemm_pct else "")]
+              + " | mma x vs asm | mma x vs bf16/ours |" + (" nvfp4/mma routed GEMMs us (profile) | % copy |" if gemm_pct else "")
+              + (" mma instr/weight gate_up / down |" if ipw_col else ""),
+              "|---:|---:|" + "---:|" * (len(variants) + len(pct_of)) + "---:|---:|" + ("---:|---:|" if gemm_pct else "")
+              + ("---:|" if ipw_col else "")]
     for r in rows:
         cells = []
         for v in variants:
@@ -322,6 +327,8 @@ def markdown(rows: list[dict], variants: list[str], copy_gbs: float, info: dict,
             prof = r.get("profile", {}).get("nvfp4/mma")
             t = sum(v for k, v in prof.items() if "nvfp4_mma" in k or "moe_persistent" in k) if isinstance(prof, dict) else 0
             cells += [f"{t:.1f}", f"{100 * r['expert_bytes'] / t / 1e3 / copy_gbs:.0f} %"] if t else ["-", "-"]
+        if ipw_col:
+            cells.append(r.get("mma_ipw", "-"))
         lines.append(f"| {r['B']} | {r['experts_hit']} | " + " | ".join(cells) + " |")
     notes = sorted({n for r in rows for n in r.get("notes", [])})
     if notes:
@@ -418,10 +425,30 @@ MMA_CANDIDATES = {
 }
 
 
+def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor) -> str:
+    """SASS instructions per weight of the K loops moe_experts_mma runs for num_pairs pairs (its tile and split-K
+    per GEMM; sm_90 compile): "gate_up / down"."""
+    from linrnn_kernels.moe import nvfp4_mma
+
+    p13, p2 = w13.packed, w2.packed
+    E = p13.codes.shape[0]
+    splits = experts.mma_splits(num_pairs, p13, p2, nvfp4_mma.num_sms(w13.data.device))
+    out = []
+    for p, sp in zip((p13, p2), splits):
+        u = nvfp4_mma.units_per_step(p.codes.shape[2], sp, nvfp4_mma.DEFAULT_UNITS)
+        pf = nvfp4_mma.DEFAULT_PREFETCH and (p.codes.shape[2] // sp // u) % 2 == 0
+        st = nvfp4_mma.k_loop_stats(gated=p.gated, split=sp, units=u, prefetch=pf, fused_reduce=p.gated and sp > 1,
+                                    tokens=experts.mma_tokens(num_pairs, E))
+        out.append(f"{st['per_weight']:.2f}")
+    return " / ".join(out)
+
+
 def mma_sweep(sets, inputs, k, args, cuda) -> dict:
-    """Layer time of the nvfp4/mma path per MMA_CANDIDATES entry (graph replays)."""
+    """Layer time of the nvfp4/mma path per MMA_CANDIDATES entry (graph replays; --mma-candidates: a subset)."""
     out = {}
     for key, opts in MMA_CANDIDATES.items():
+        if args.mma_candidates and key not in args.mma_candidates.split(","):
+            continue
         def call(s, x, logits):
             topw, ids = router.route(logits, k, True, weight_dtype=x.dtype)
             a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
@@ -527,6 +554,8 @@ def run(args) -> int:
                 row.setdefault("tflops", {})[v] = 2 * B * k * 3 * I * H / us / 1e6  # routed GEMMs only
             except Exception as e:  # a failing peer is reported, not hidden
                 row["us"][v] = f"error: {type(e).__name__}: {str(e)[:100]}"
+        if "nvfp4/mma" in variants and cuda and ("nvfp4", "w13") in sets[0]:
+            row["mma_ipw"] = mma_ipw(B * k, *with_packed(sets[0][("nvfp4", "w13")], sets[0][("nvfp4", "w2")]))
         if args.sweep:
             row["sweep"] = sweep(shape, sets, B, args, cuda, device)
         if args.mma_sweep and cuda:
@@ -575,7 +604,7 @@ def run(args) -> int:
                         (entry["gate_up"], entry["down"])]
                 table += f"| {r['B']} | {bm} | {sw['default']} | {best[0]} | {best[1]} |\n"
     if args.mma_sweep:
-        keys = list(MMA_CANDIDATES)
+        keys = [kk for kk in MMA_CANDIDATES if kk in rows[0].get("mma_sweep", {})]
         table += ("\n## nvfp4/mma layer time per variant (benchmarks/kernels/moe.py MMA_CANDIDATES; routed by the separate "
                   "route kernel), us\n\n")
         table += "| B | " + " | ".join(keys) + " |\n|---:|" + "---:|" * len(keys) + "\n"

@@ -262,6 +262,15 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
     return 8
 
 
+def mma_splits(num_pairs: int, p13, p2, num_sms: int, warps: int = 4, groups: tuple[int, int] = (1, 1),
+               per_sm: int = nvfp4_mma.DEFAULT_PER_SM) -> tuple[int, int]:
+    """The split-K of moe_experts_mma's (gate_up, down) GEMMs for num_pairs (token, expert) pairs."""
+    active = min(p13.codes.shape[0], num_pairs)
+    return tuple(nvfp4_mma.split_k(p.codes.shape[2], active * nvfp4_mma.programs_per_block(p, warps) // g, num_sms,
+                                   per_sm)
+                 for p, g in ((p13, groups[0]), (p2, groups[1])))
+
+
 def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
                     tokens: int | None = None, warps: int = 4, units: int = nvfp4_mma.DEFAULT_UNITS,
@@ -287,12 +296,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     tokens = tokens or mma_tokens(P, E)
     sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
-    active = min(E, P)
-    sms = nvfp4_mma.num_sms(x.device)
     if splits is None:
-        splits = tuple(nvfp4_mma.split_k(p.codes.shape[2], active * nvfp4_mma.programs_per_block(p, warps) // g, sms,
-                                         per_sm)
-                       for p, g in ((p13, groups[0]), (p2, groups[1])))
+        splits = mma_splits(P, p13, p2, nvfp4_mma.num_sms(x.device), warps, groups, per_sm)
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint)

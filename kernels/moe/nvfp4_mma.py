@@ -749,6 +749,59 @@ def persistent_compile_stats(splits: tuple[int, int] = (1, 1)) -> dict:
             "atomics": re.findall(r"(?:ATOMG|RED)\.[A-Z0-9.]*", sass)}
 
 
+def ptx_operand_wiring(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, tokens: int = 8,
+                       prefetch: bool = DEFAULT_PREFETCH, weight_hint: str = DEFAULT_WEIGHT_HINT) -> dict:
+    """Where every mma.sync operand of the kernel (compiled for sm_90, no GPU) comes from, checked against the
+    packed layout (nvfp4_layout): A registers a0..a3 are the decoded pair j of the lane's code words 0..3
+    (cb 0 row g, cb 0 row g + 8, cb 1 row g, cb 1 row g + 8) of one 16-byte load, j the same for all four, and
+    scaled by the word's row scale; B registers b0, b1 are registers (2 j', 2 j' + 1) of one 16-byte activation
+    load with j' = j % 2, the two MMAs of a load taking pairs j and j + 1 of the same code words (no register
+    move: k = 16 t + 4 j + 2 cb + h on both sides). Returns {"mmas": count, "errors": [...]}."""
+    import re
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return in_clean_process(__name__, "ptx_operand_wiring", gated=gated, split=split, units=units, tokens=tokens,
+                                prefetch=prefetch, weight_hint=weight_hint)
+    ptx = compile_offline(gated=gated, split=split, units=units, route_weighted=not gated, tokens=tokens,
+                          prefetch=prefetch, fused_reduce=gated and split > 1, weight_hint=weight_hint).asm["ptx"]
+    vec = {}  # register -> (its position in a 16-byte load, the load's registers)
+    for m in re.finditer(r"ld\.global[\w:.]*\.v4\.b32\s*\{\s*(%r\d+),\s*(%r\d+),\s*(%r\d+),\s*(%r\d+)\s*\}", ptx):
+        for i, r in enumerate(m.groups()):
+            vec[r] = (i, m.groups())
+    dec = {}  # decoded register -> (decode block, code word register, pair j, scale row)
+    for b, block in enumerate(ptx.split("mov.b32 nz, 0x80008000;")[1:]):
+        block = block.split("}")[0]
+        words = re.findall(r"and\.b32 %r\d+, (%r\d+), 0x81C081C0;", block)
+        fmas = re.findall(r"fma\.rn\.bf16x2 (%r\d+), %r\d+, s(\d), nz;", block)
+        for i, (out, row) in enumerate(fmas):
+            dec[out] = (b, words[i // 4], i % 4, int(row))
+    errors, mmas = [], re.findall(r"mma\.sync\.aligned\.m16n8k16[^{]*\{[^}]*\},\s*\{([^}]*)\},\s*\{([^}]*)\}", ptx)
+    pairs = {}  # (decode block, code-word load) -> {j: activation load}
+    for a_txt, b_txt in mmas:
+        a = [r.strip() for r in a_txt.split(",")]
+        bb = [r.strip() for r in b_txt.split(",")]
+        src = [dec.get(r) for r in a]
+        if None in src:
+            errors.append(f"A operand not straight from the decode: {a}")
+            continue
+        j = src[0][2]
+        if {x[0] for x in src} != {src[0][0]} or {x[2] for x in src} != {j}:
+            errors.append(f"A operand mixes decode blocks or pairs: {src}")
+        if any(w not in vec for _, w, _, _ in src) or len({vec[w][1] for _, w, _, _ in src}) != 1:
+            errors.append(f"A words not of one 16-byte load: {src}")
+        elif [vec[w][0] for _, w, _, _ in src] != [0, 1, 2, 3] or [x[3] for x in src] != [0, 1, 0, 1]:
+            errors.append(f"A words / scale rows out of layout order: {[(vec[w][0], x) for x in src for w in [x[1]]]}")
+        if any(r not in vec for r in bb) or vec[bb[0]][1] != vec[bb[1]][1] \
+                or (vec[bb[0]][0], vec[bb[1]][0]) != (2 * (j % 2), 2 * (j % 2) + 1):
+            errors.append(f"B operand {bb} is not the ready pair {j % 2} of one 16-byte load (pair j = {j})")
+        else:
+            pairs.setdefault((src[0][0], vec[src[0][1]][1]), {})[j] = vec[bb[0]][1]
+    for key, by_j in pairs.items():
+        if sorted(by_j) != [0, 1, 2, 3] or by_j[0] != by_j[1] or by_j[2] != by_j[3] or by_j[0] == by_j[2]:
+            errors.append(f"decode block {key[0]}: pairs j -> activation loads {by_j} (want j, j + 1 on one load)")
+    return {"mmas": len(mmas), "errors": errors[:8]}
+
+
 def in_clean_process(module: str, fn: str, **kwargs) -> dict:
     """`module.fn(**kwargs)` (a module with this __main__ convention) in a fresh interpreter without TRITON_INTERPRET: once a kernel has run
     in the interpreter, triton.language is patched for the whole process and real compilation breaks."""
