@@ -148,6 +148,52 @@ def test_narrow_tiles_gated_norm_and_row_norm(poison_empty, M, cfg):
     assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
 
 
+ONE_SHOT_FMA = gcfg.SkinnyConfig(8, 64, 0, 4, 1, False, one_shot=True)
+ONE_SHOT_DOT = gcfg.SkinnyConfig(16, 64, 0, 4, 1, True, one_shot=True)
+
+
+@pytest.mark.parametrize("M,prologue,cfg", [(1, "gated_norm", ONE_SHOT_FMA), (8, "gated_norm", ONE_SHOT_FMA),
+                                            (3, "sigmoid_gate", gcfg.SkinnyConfig(16, 128, 0, 4, 1, False, one_shot=True)),
+                                            (8, "gated_norm", ONE_SHOT_DOT), (5, "sigmoid_gate", ONE_SHOT_DOT)],
+                         ids=["fma-1row-split2", "fma-8rows-split2", "fma-3rows-nosplit", "dot-8rows", "dot-5rows"])
+def test_one_shot_out_projection(poison_empty, M, prologue, cfg):
+    """One-shot tiles (a program's whole K slice loaded at once, no K loop) with the out projections' fusions:
+    gated-norm / sigmoid-gate prologue, residual add, next RMSNorm; bit-reproducible; tickets left at 0."""
+    dtype, K, N, head = torch.bfloat16, 128, 40, 32
+    x = torch.randn(M, K, device=DEV).to(dtype)
+    if prologue == "gated_norm":
+        gate = torch.randn(M, K + 3, device=DEV).to(dtype)[:, 3:]
+        pro_w = (1 + 0.1 * torch.randn(head, device=DEV)).to(dtype)
+    else:  # attention: per-head [q | gate] interleave
+        gate = torch.randn(M, K // head, 2 * head, device=DEV).to(dtype)[..., head:]
+        pro_w = None
+    kw = dict(prologue_kind=prologue, gate=gate, pro_w=pro_w, head=head,
+              residual=torch.randn(M, N, device=DEV).to(dtype), norm_w=(0.1 * torch.randn(N, device=DEV)).to(dtype))
+    w = _weight(N, K, "dense", dtype)
+    normed, h = skinny.skinny_linear(x, w, cfg, **kw)
+    rnormed, rh = naive.skinny_linear(x, w, **kw)
+    assert not torch.isnan(normed).any() and not torch.isnan(h).any()
+    assert rel_fro(h, rh) <= 2e-2 and rel_fro(normed, rnormed) <= 2e-2
+    again = skinny.skinny_linear(x, w, cfg, **kw)
+    assert torch.equal(again[0], normed) and torch.equal(again[1], h)
+    assert torch.equal(skinny.tickets(x.device), torch.zeros_like(skinny.tickets(x.device)))
+
+
+@pytest.mark.parametrize("cfg", [ONE_SHOT_FMA, ONE_SHOT_DOT], ids=["fma", "dot"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8"])
+def test_one_shot_ragged_k_and_silu_mul(poison_empty, cfg, fmt):
+    """One-shot tiles with a ragged last K slice (K = 160: slices 64, 64, 32) and the silu_mul epilogue (the gate
+    and up rows both loaded before the wait), f32 and bf16 activations."""
+    for dtype in (torch.float32, torch.bfloat16):
+        M, K, I = 3, 160, 24
+        x = torch.randn(M, K, device=DEV).to(dtype)
+        w = _weight(2 * I, K, fmt, dtype)
+        for epi in ("none", "silu_mul"):
+            y = skinny.skinny_linear(x, w, cfg, epilogue=epi)
+            ref = naive.skinny_linear(x, w, epilogue=epi)
+            assert not torch.isnan(y).any() and rel_fro(y, ref) <= _tol(dtype), (dtype, epi)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["fma", "fma-split3", "dot-split2"])
 def test_conv_epilogue(poison_empty, cfg):
     """GDN in_proj with the causal conv + SiLU of the first C columns in the epilogue, conv state shifted in
@@ -244,11 +290,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from linrnn_kernels.gemv import skinny
 fn = skinny._skinny_gemm_kernel
-for (pro, epi, res, norm, dot, split, bm, pdl) in [(0, 0, 0, 0, 0, 4, 1, 0), (2, 0, 1, 1, 0, 2, 1, 1),
-                                                    (0, 1, 0, 0, 1, 2, 16, 0), (3, 2, 1, 1, 1, 1, 32, 1)]:
+for (pro, epi, res, norm, dot, split, bm, pdl, one) in [
+        (0, 0, 0, 0, 0, 4, 1, 0, 0), (2, 0, 1, 1, 0, 2, 1, 1, 0), (0, 1, 0, 0, 1, 2, 16, 0, 0), (3, 2, 1, 1, 1, 1, 32, 1, 0),
+        (2, 0, 1, 1, 0, 4, 8, 1, 1), (3, 0, 1, 1, 1, 8, 16, 1, 1)]:  # one-shot tiles (FMA at 8 rows, dot)
     cex = dict(PRO=pro, EPI=epi, HAS_RES=res, ROW_NORM=norm, HAS_SCALE=0, HEAD=128, SPLIT_MAX=split, USE_DOT=dot, RM=bm, KCP=4, KC=4, ADD_GROUP=8, ADD_SPLITS=2 if epi == 2 else 0,
-               COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=16 if dot else 32, BLOCK_K=256 if bm == 1 else 128,
-               BLOCK_R=1024, EVEN_K=1, PDL=pdl)
+               COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=(8 if one else 16) if dot or one else 32,
+               BLOCK_K=(1024 if dot else 512) if one else 256 if bm == 1 else 128,
+               BLOCK_R=1024, EVEN_K=1, PDL=pdl, ONE_SHOT=one)
     sig, consts, attrs = skinny_signature(fn, cex, "*bf16")
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
@@ -260,8 +308,10 @@ for (pro, epi, res, norm, dot, split, bm, pdl) in [(0, 0, 0, 0, 0, 4, 1, 0), (2,
     # PDL: the FMA tiles' first weight loads are issued before griddepcontrol.wait (they overlap the previous kernel)
     wait = ptx.find("griddepcontrol.wait")
     first_w = ptx.find("ld.global.L1::evict_first")
-    early = wait > 0 and "griddepcontrol.launch_dependents" in ptx and (dot == 1 or 0 <= first_w < wait)
-    print("VARIANT", pro, epi, dot, "v4loads", wide if not narrow else 0, "gdc", early)
+    early = wait > 0 and "griddepcontrol.launch_dependents" in ptx and ((dot == 1 and not one) or 0 <= first_w < wait)
+    # one-shot tiles: every weight load before the wait
+    all_early = wait > 0 and 0 <= ptx.rfind("ld.global.L1::evict_first") < wait
+    print("VARIANT", pro, epi, dot, one, "v4loads", wide if not narrow else 0, "all_early", all_early, "gdc", early)
 from linrnn_kernels.moe import router_fused
 fn = router_fused._router_kernel
 for dot, bm in [(0, 1), (1, 32)]:
@@ -316,9 +366,10 @@ def test_compiles_for_sm90_with_16_byte_weight_loads():
         if line.startswith("VARIANT"):
             parts = line.split()
             assert int(parts[parts.index("v4loads") + 1]) > 0, line
-            pro, epi = parts[1], parts[2]
+            pro, epi, one = parts[1], parts[2], parts[4]
             pdl = parts[-1] == "True"
             assert pdl == (pro in ("2", "3")), line
+            assert (parts[parts.index("all_early") + 1] == "True") == (one == "1"), line
 
 
 # ---- fused router ------------------------------------------------------------------------------------
@@ -518,7 +569,7 @@ cfg = config.skinny_config(32, 64, 128, "dense", torch.device("cpu"))  # the def
 x = torch.empty(32, 128, dtype=torch.float32)
 cex = dict(PRO=0, EPI=1, HAS_RES=0, ROW_NORM=0, HAS_SCALE=0, HEAD=1, SPLIT_MAX=1, USE_DOT=1, RM=32, KCP=1, KC=2,
            ADD_GROUP=1, ADD_SPLITS=0, COMPUTE=tl.float32, BLOCK_M=32, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-           BLOCK_R=1024, EVEN_K=1, PDL=0)
+           BLOCK_R=1024, EVEN_K=1, PDL=0, ONE_SHOT=0)
 sig, consts, attrs = skinny_signature(fn, cex, "*fp32")
 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=cfg.num_warps, num_stages=skinny.pipeline_stages(cfg, x)))

@@ -76,11 +76,13 @@ FMA_TILES = ((32, 256), (16, 256), (16, 512), (8, 512), (8, 256), (4, 512), (8, 
 DOT_TILES = ((32, 128, 4), (64, 128, 4), (64, 64, 6), (32, 256, 3), (128, 64, 4), (64, 256, 3), (16, 256, 3))
 
 
-def candidates(M: int, N: int, K: int, lm_head: bool = False):
+def candidates(M: int, N: int, K: int, lm_head: bool = False, one_shot_only: bool = False):
     """Tile configs worth timing for an [M, K] x [N, K]^T projection: FMA tiles with 4 or 8 warps (at most 64
     f32 products per thread, at least 16) up to 8 rows, tensor-core dots from 4 rows up."""
     from linrnn_kernels.gemv.config import SkinnyConfig, split_for
 
+    if one_shot_only:
+        return one_shot_candidates(M, N, K)
     bm = 1 << (max(M, 1) - 1).bit_length()
     out = []
     if bm <= 8:
@@ -97,12 +99,41 @@ def candidates(M: int, N: int, K: int, lm_head: bool = False):
             for bn, bk, st in DOT_TILES:
                 if bk <= K and (warps == 4 or bn >= 64):
                     out.append(SkinnyConfig(bn, bk, split_for(N, K, bn, bk, 2 * SMS), warps, st, True))
+    if not lm_head:
+        out += one_shot_candidates(M, N, K)
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
             seen.add(c)
             uniq.append(c)
     return uniq[:4] if lm_head else uniq
+
+
+def one_shot_candidates(M: int, N: int, K: int):
+    """One-shot tiles (skinny.py ONE_SHOT: a program's whole K slice of block_k loaded before the PDL wait, no K
+    loop): 8-64 KB of weights per program, at least one program per SM, at most 2x the resident capacity (~4
+    per SM); FMA up to 8 rows (<= 1024 products per thread), tensor-core dots from 2 rows."""
+    from linrnn_kernels.gemv.config import SkinnyConfig
+
+    bm = 1 << (max(M, 1) - 1).bit_length()
+    out = []
+    for bn in (1, 2, 4, 8, 16, 32, 64):
+        for bk in (256, 512, 1024, 2048, 4096):
+            if bk > K or bn > N or not 8 << 10 <= 2 * bn * bk <= 64 << 10:
+                continue
+            programs = -(-N // bn) * -(-K // bk)
+            if not SMS <= programs <= 8 * SMS:
+                continue
+            if bm <= 8 and bn <= 16:
+                for warps in ((8, 16) if bn * bk >= 16384 else (4, 8)):
+                    per_thread = bn * bk // (32 * warps)
+                    if 16 <= per_thread <= 64 and bm * per_thread <= 1024:
+                        out.append(SkinnyConfig(bn, bk, 0, warps, 1, False, one_shot=True))
+            if M >= 2 and bn >= 16:
+                for warps in (4, 8):
+                    if bn * bk // (32 * warps) <= 128:
+                        out.append(SkinnyConfig(bn, bk, 0, warps, 1, True, one_shot=True))
+    return out
 
 
 class Inputs:
@@ -259,13 +290,13 @@ def merge_tables(base: dict, new: dict, ms: list[int]) -> dict:
     return out
 
 
-def _jobs(cfg, ms, only):
+def _jobs(cfg, ms, only, one_shot_only=False):
     jobs = []
     for ci, case in enumerate(cases(cfg)):
         if only and case.name not in only:
             continue
         for M in ms:
-            for c in candidates(M, n_out(case, cfg), case.K, case.name == "lm_head"):
+            for c in candidates(M, n_out(case, cfg), case.K, case.name == "lm_head", one_shot_only):
                 jobs.append((ci, M, c))
     return jobs
 
@@ -316,7 +347,7 @@ def run(args) -> dict:
     cfg = resolve_model(args.model, "dummy").cfg
     ms = [int(v) for v in args.m.split(",")]
     only = set(args.only.split(",")) if args.only else set()
-    jobs = _jobs(cfg, ms, only)
+    jobs = _jobs(cfg, ms, only, args.one_shot_only)
     t0 = time.time()
     failed = precompile(args.model, jobs, args.workers)
     print(f"precompiled {len(jobs)} kernels in {time.time() - t0:.0f} s ({len(failed)} failed)", flush=True)
@@ -420,6 +451,8 @@ def main(argv=None) -> int:
     p.add_argument("--m", default="1,2,4,8,16,32")
     p.add_argument("--only", default="", help="comma list of case names")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--one-shot-only", action="store_true",
+                   help="time only the one-shot tiles (and the table's current config) per case and M")
     p.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     p.add_argument("--out", default="benchmarks/results/kernels/gemv")
     p.add_argument("--base-table", default=None, metavar="JSON",

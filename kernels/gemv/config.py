@@ -10,7 +10,7 @@ unfused chain is faster (every projection above its max_m, every batch above 32 
   LINRNN_SKINNY_TABLE=path.json   the per-projection table to use instead of kernels/gemv/tuned.json (measured
                                   on the H200 by tools/gpu_small_ab.sh); `bench kernels --only gemv` writes one:
                                   {"N,K,fmt[,fusion]": {"max_m": 8, "1": [block_n, block_k, split_k, warps,
-                                  stages, dot], ...}, "router": {...}}; max_m: the largest M where the fused call
+                                  stages, dot(, one_shot)], ...}, "router": {...}}; max_m: the largest M where the fused call
                                   beat the unfused chain (0 = never)
   LINRNN_FUSED_ROUTER=0           the router's gate GEMM, softmax / top-k and expert alignment as separate
                                   kernels (default 1: one launch, with the shared expert's gate_up, up to the
@@ -48,9 +48,13 @@ class SkinnyConfig:
     num_stages: int = 3
     use_dot: bool = False
     min_block_m: int = 16  # rows are padded to this for tensor-core dots
+    # one K tile per program (k slice = block_k, split = K / block_k, split_k ignored): the whole weight slice is
+    # loaded before the PDL wait, no K loop (skinny.py ONE_SHOT)
+    one_shot: bool = False
 
     def astuple(self) -> list:
-        return [self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages, int(self.use_dot)]
+        t = [self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages, int(self.use_dot)]
+        return t + [1] if self.one_shot else t
 
 
 def _num_sms(device) -> int:
@@ -129,8 +133,8 @@ def _table_entry(N: int, K: int, fmt: str, M: int, kind: str = "") -> SkinnyConf
         return None
     for m, spec in sorted(((int(k), v) for k, v in t.items() if k.isdigit()), key=lambda kv: kv[0]):
         if M <= m:
-            bn, bk, split, warps, stages, dot = spec
-            return SkinnyConfig(bn, bk, split, warps, stages, bool(dot))
+            bn, bk, split, warps, stages, dot = spec[:6]
+            return SkinnyConfig(bn, bk, split, warps, stages, bool(dot), one_shot=len(spec) > 6 and bool(spec[6]))
     return None
 
 

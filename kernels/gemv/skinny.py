@@ -95,13 +95,51 @@ def _mac(acc, a, w, COMPUTE: tl.constexpr):
 def _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n, n_ok, k_lo, k_hi, N, rstd,
                pro_eps, PRO: tl.constexpr, GATED: tl.constexpr, HEAD: tl.constexpr, USE_DOT: tl.constexpr,
                COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, PDL: tl.constexpr):
+               EVEN_K: tl.constexpr, PDL: tl.constexpr, ONE_SHOT: tl.constexpr = False):
     """(acc, acc_u) [BLOCK_M, BLOCK_N] f32: prologue(x)[:, k_lo:k_hi] W[offs_n]^T, and with GATED the same for
     the up rows W[N + offs_n] (acc_u; zeros otherwise). PDL: waits for the previous kernel (gdc_wait) before
-    the first read of anything it may write; the FMA path issues its first weight tiles before that wait."""
+    the first read of anything it may write; the FMA path issues its first weight tiles before that wait.
+    ONE_SHOT (the K slice is one tile, k_hi - k_lo <= BLOCK_K): no K loop; the program's whole weight slice is
+    loaded before the wait, then one product (FMA: reduced over K once; dot: one tl.dot)."""
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     offs_k = tl.arange(0, BLOCK_K)
-    if USE_DOT:
+    if ONE_SHOT:
+        cols = k_lo + offs_k
+        if EVEN_K:  # uniform mask along K: keeps the 16-byte vector loads
+            k_ok = offs_k < BLOCK_K
+        else:
+            k_ok = cols < k_hi
+        if USE_DOT:
+            w_rows = offs_n.to(tl.int64) * sw
+            wmask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_ptr + w_rows[:, None] + cols[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                wu = tl.load(w_ptr + (w_rows + N * sw)[:, None] + cols[None, :], mask=wmask, other=0.0,
+                             eviction_policy="evict_first")
+            if PDL:
+                gdc_wait()
+            a = _load_a(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, rows, cols, m_ok, k_ok, rstd, pro_eps,
+                        PRO, HEAD, BLOCK_M, BLOCK_K, ACT)
+            acc = _mac(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a, w, COMPUTE)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            if GATED:
+                acc_u = _mac(acc_u, a, wu, COMPUTE)
+        else:
+            w3 = w_ptr + (offs_n.to(tl.int64) * sw)[None, :, None] + cols[None, None, :]
+            wmask = n_ok[None, :, None] & k_ok[None, None, :]
+            w = tl.load(w3, mask=wmask, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                wu = tl.load(w3 + N * sw, mask=wmask, other=0.0, eviction_policy="evict_first")
+            if PDL:
+                gdc_wait()
+            a = _load_a(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, rows, cols, m_ok, k_ok, rstd, pro_eps,
+                        PRO, HEAD, BLOCK_M, BLOCK_K, ACT)[:, None, :]
+            acc = tl.sum(a * w.to(tl.float32), axis=2)
+            if GATED:
+                acc_u = tl.sum(a * wu.to(tl.float32), axis=2)
+            else:
+                acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    elif USE_DOT:
         if PDL:
             gdc_wait()
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -311,7 +349,7 @@ def _skinny_program(
         HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
         COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr,
-        ADD_GROUP: tl.constexpr, ADD_SPLITS: tl.constexpr, PDL: tl.constexpr):
+        ADD_GROUP: tl.constexpr, ADD_SPLITS: tl.constexpr, PDL: tl.constexpr, ONE_SHOT: tl.constexpr = False):
     """Program (pid_n, pid_k) of an n_tiles x n_split grid (the fused router runs the shared expert's gate_up
     tiles through it too, with its own tickets)."""
     ACT: tl.constexpr = x_ptr.dtype.element_ty
@@ -336,7 +374,7 @@ def _skinny_program(
     k_hi = tl.minimum(k_lo + K_PER, K)
     acc, acc_u = _gemm_tile(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, w_ptr, sw, rows, m_ok, offs_n, n_ok, k_lo, k_hi, N,
                             rstd, pro_eps, PRO, EPI == 1, HEAD, USE_DOT, COMPUTE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                            PDL)
+                            PDL, ONE_SHOT)
     if HAS_SCALE:
         acc = acc * tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if EPI == 1:
@@ -362,7 +400,7 @@ def _skinny_gemm_kernel(
         HAS_SCALE: tl.constexpr, HEAD: tl.constexpr, SPLIT_MAX: tl.constexpr, USE_DOT: tl.constexpr,
         COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, RM: tl.constexpr, KCP: tl.constexpr, ADD_GROUP: tl.constexpr,
-        ADD_SPLITS: tl.constexpr, PDL: tl.constexpr):
+        ADD_SPLITS: tl.constexpr, PDL: tl.constexpr, ONE_SHOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     if PDL:  # the next kernel may launch now (it waits for this one before reading what this one writes)
@@ -372,7 +410,7 @@ def _skinny_gemm_kernel(
                     out_ptr, so, add_ptr, sadd, sadd_s, gl_ptr, sgl, res_ptr, sres, nw_ptr, y_ptr, sy,
                     M, N, K, K_PER, pro_eps, norm_eps, cw_ptr, cs_ptr, s_slot, idx_ptr, CC,
                     PRO, EPI, HAS_RES, ROW_NORM, KC, HAS_SCALE, HEAD, SPLIT_MAX, USE_DOT, COMPUTE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, RM, KCP, ADD_GROUP, ADD_SPLITS, PDL)
+                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, RM, KCP, ADD_GROUP, ADD_SPLITS, PDL, ONE_SHOT)
 
 
 _tickets: dict[torch.device, torch.Tensor] = {}
@@ -432,8 +470,10 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
     y = torch.empty(M, N, dtype=x.dtype, device=dev) if norm_w is not None else out
     if M == 0:
         return (y, out) if norm_w is not None else out
-    split = cfg.split_k
-    k_per = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
+    if cfg.one_shot:  # each program's K slice is one block_k tile (the split follows from it)
+        k_per = cfg.block_k
+    else:
+        k_per = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(K, k_per)  # no empty splits
     n_tiles = triton.cdiv(N, cfg.block_n)
     if (split > 1 or norm_w is not None) and n_tiles + 1 > TICKETS:
@@ -485,7 +525,7 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
         ROW_NORM=norm_w is not None, HAS_SCALE=w.row_scale is not None, HEAD=max(head, 1), SPLIT_MAX=triton.next_power_of_2(split),
         USE_DOT=cfg.use_dot, COMPUTE=_compute_dtype(x), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_R=row_block(rm, N), EVEN_K=K % cfg.block_k == 0, RM=rm, KCP=triton.next_power_of_2(max(KC - 1, 1)),
-        ADD_GROUP=add_group, ADD_SPLITS=add_splits,
+        ADD_GROUP=add_group, ADD_SPLITS=add_splits, ONE_SHOT=cfg.one_shot,
         num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
     return (y, out) if norm_w is not None else out
 
