@@ -615,8 +615,12 @@ def test_sweep_table_merge_and_markdown():
     assert merged["c"] == base["c"] and merged["_source"] == "note"
     md = sweep.markdown({"env": {}, "copy_GBs": 4200.0, "rows": rows, "table": merged}, [1, 8])
     assert "a: 16, b: 1, c: 2" in md and "_source" not in md
-    # every FMA candidate holds at most 64 f32 products per thread
+    # every looped FMA candidate holds at most 64 f32 products per thread (its accumulator); one-shot tiles carry
+    # no accumulator: 8-64 KB of weights per program, at most 1024 products per thread
     for M in (1, 2, 8):
         for c in sweep.candidates(M, 2048, 4096):
-            if not c.use_dot:
+            if c.one_shot:
+                assert 8 << 10 <= 2 * c.block_n * c.block_k <= 64 << 10, c
+                assert c.use_dot or M * c.block_n * c.block_k <= 1024 * 32 * c.num_warps, c
+            elif not c.use_dot:
                 assert M * c.block_n * c.block_k <= 64 * 32 * c.num_warps

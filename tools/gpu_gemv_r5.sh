@@ -4,7 +4,8 @@
 # stage under `timeout`; the tree as it came is main, .gpu/$BR the branch's overlay):
 #   bash tools/gpu_gemv_r5.sh sweep   the overlay: gemv benchmark of the one-shot tiles (plus the table's current
 #                                     config) for gdn.out_proj / attn.o_proj at M = 1, 2, 4, 8 and shared.down at
-#                                     M = 1, 8 -> $OUT/r5/sweep*/ (gemv.md, skinny_table.json = tuned.json updated)
+#                                     M = 1, 8 -> $OUT/r5/sweep*/ (gemv.md, skinny_table.json = tuned.json updated);
+#                                     diagnostic: the same GEMV without fusions (diag.out_proj_plain) at M = 1, 8
 . tools/device_env.sh >/dev/null
 R=${OUT:-/tmp/out}/r5; mkdir -p $R
 BR=${BR:-small-decode}
@@ -16,5 +17,7 @@ sweep)
     > $R/sweep.log 2>&1; grep -E "^(gdn|attn)|precompiled|Error" $R/sweep.log | cut -c1-200 | head -20
   timeout 70 $G --only shared.down --m 1,8 --base-table $R/sweep/skinny_table.json --out $R/sweep_down \
     > $R/sweep_down.log 2>&1; grep -E "^shared|precompiled|Error" $R/sweep_down.log | cut -c1-200 | head -6
+  timeout 60 $G --only diag.out_proj_plain --m 1,8 --out $R/sweep_plain > $R/sweep_plain.log 2>&1
+  grep -E "^diag|precompiled|Error" $R/sweep_plain.log | cut -c1-200 | head -6
   ;;
 esac

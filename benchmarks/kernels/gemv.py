@@ -9,6 +9,7 @@ Cases (Qwen3.5-35B-A3B shapes, calls per decode step in brackets):
   shared.down  [40]  gate_add epilogue, residual + next norm       chain: F.linear + sigmoid add + add_rmsnorm
   router       [40]  fused router + shared gate_up (SiLU*mul)      chain: F.linear + route + align + F.linear + silu_mul
   lm_head      [1]   plain                                         chain: F.linear
+  diag.out_proj_plain (only when named in --only): the out projections' shape without fusions (not in the table)
 Every (case, M) tries a list of tile configs (FMA path up to 8 rows, tensor-core dots from 4 rows up); each
 candidate is first checked against the naive composition (NaN-poisoned outputs) and not timed if wrong.
 Timing: CUDA-graph replay over rotating weight copies (> L2), median; GB/s of the weight stream and its
@@ -59,7 +60,13 @@ def cases(cfg) -> list[Case]:
             Case("attn.o_proj", H, cfg.num_attention_heads * cfg.head_dim, 10, "sigmoid"),
             Case("shared.down", H, cfg.shared_expert_intermediate_size, 40, "gate_add"),
             Case("router", cfg.num_experts + 1, H, 40, "router"),
-            Case("lm_head", cfg.vocab_size, H, 1, "plain")]
+            Case("lm_head", cfg.vocab_size, H, 1, "plain"),
+            # diagnostic, only when named in --only: the out projections' GEMV without their fusions (no tickets)
+            Case("diag.out_proj_plain", H, cfg.value_dim, 0, "plain")]
+
+
+def selected(case: Case, only: set) -> bool:
+    return case.name in only if only else not case.name.startswith("diag.")
 
 
 def n_out(case: Case, cfg) -> int:
@@ -293,7 +300,7 @@ def merge_tables(base: dict, new: dict, ms: list[int]) -> dict:
 def _jobs(cfg, ms, only, one_shot_only=False):
     jobs = []
     for ci, case in enumerate(cases(cfg)):
-        if only and case.name not in only:
+        if not selected(case, only):
             continue
         for M in ms:
             for c in candidates(M, n_out(case, cfg), case.K, case.name == "lm_head", one_shot_only):
@@ -359,7 +366,7 @@ def run(args) -> dict:
     for ci, M, c in jobs:
         by_case.setdefault((ci, M), []).append(c)
     for ci, case in enumerate(cases(cfg)):
-        if only and case.name not in only:
+        if not selected(case, only):
             continue
         wbytes = weight_bytes(case, cfg)
         key = gcfg.table_key(n_out(case, cfg), case.K, "router" if case.kind == "router" else "dense",
@@ -404,7 +411,7 @@ def run(args) -> dict:
                   flush=True)
             del inp
             torch.cuda.empty_cache()
-    table = table_from_rows(rows)
+    table = table_from_rows([r for r in rows if not r["case"].startswith("diag.")])
     if args.base_table:
         with open(args.base_table) as f:
             table = merge_tables(json.load(f), table, ms)
