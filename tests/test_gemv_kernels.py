@@ -3,6 +3,7 @@ compositions, on fresh random inputs with NaN-poisoned outputs and scratch (inte
 shapes); sm_90 compile checks outside the interpreter."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -154,11 +155,16 @@ ONE_SHOT_DOT = gcfg.SkinnyConfig(16, 64, 0, 4, 1, True, one_shot=True)
 
 @pytest.mark.parametrize("M,prologue,cfg", [(1, "gated_norm", ONE_SHOT_FMA), (8, "gated_norm", ONE_SHOT_FMA),
                                             (3, "sigmoid_gate", gcfg.SkinnyConfig(16, 128, 0, 4, 1, False, one_shot=True)),
-                                            (8, "gated_norm", ONE_SHOT_DOT), (5, "sigmoid_gate", ONE_SHOT_DOT)],
-                         ids=["fma-1row-split2", "fma-8rows-split2", "fma-3rows-nosplit", "dot-8rows", "dot-5rows"])
+                                            (8, "gated_norm", ONE_SHOT_DOT), (5, "sigmoid_gate", ONE_SHOT_DOT),
+                                            (8, "gated_norm", dataclasses.replace(ONE_SHOT_DOT, split_prologue=True)),
+                                            (3, "sigmoid_gate", dataclasses.replace(ONE_SHOT_FMA, split_prologue=True)),
+                                            (2, "gated_norm", gcfg.SkinnyConfig(16, 32, 2, split_prologue=True))],
+                         ids=["fma-1row-split2", "fma-8rows-split2", "fma-3rows-nosplit", "dot-8rows", "dot-5rows",
+                              "dot-8rows-split-prologue", "fma-3rows-split-prologue", "looped-split-prologue"])
 def test_one_shot_out_projection(poison_empty, M, prologue, cfg):
     """One-shot tiles (a program's whole K slice loaded at once, no K loop) with the out projections' fusions:
-    gated-norm / sigmoid-gate prologue, residual add, next RMSNorm; bit-reproducible; tickets left at 0."""
+    gated-norm / sigmoid-gate prologue (in the kernel, or in its own launch: split_prologue), residual add, next
+    RMSNorm; bit-reproducible; tickets left at 0."""
     dtype, K, N, head = torch.bfloat16, 128, 40, 32
     x = torch.randn(M, K, device=DEV).to(dtype)
     if prologue == "gated_norm":
@@ -533,6 +539,41 @@ def test_gpu_router_full_shape(poison_empty, M, pair_blocks):
     r_sorted, r_expert, r_n = moe_naive.moe_align_block_size(ids.long(), E, 16)
     assert int(num_padded) == r_n and torch.equal(sorted_ids[:r_n], r_sorted)
     assert torch.equal(expert_ids[: r_n // 16], r_expert) and (expert_ids[r_n // 16:] == -1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("kind", ["gated_norm", "sigmoid_gate"])
+def test_gpu_out_projections_tuned(poison_empty, M, kind):
+    """The K = 4096 out projections with the configs the engine takes (tuned.json, one-shot tiles where they won) at
+    35B shapes: == the naive composition; run to run and graph replay == eager, byte for byte; tickets left at 0."""
+    dtype, H, K, head = torch.bfloat16, 2048, 4096, 128
+    dev = torch.device("cuda")
+    x = torch.randn(M, K, device=DEV).to(dtype)
+    if kind == "gated_norm":
+        gate = torch.randn(M, K + 64, device=DEV).to(dtype)[:, 64:]
+        pro_w = (1 + 0.1 * torch.randn(head, device=DEV)).to(dtype)
+    else:
+        gate, pro_w = torch.randn(M, K // 256, 512, device=DEV).to(dtype)[..., 256:], None
+        head = 256
+    kw = dict(prologue_kind=kind, gate=gate, pro_w=pro_w, head=head, residual=torch.randn(M, H, device=DEV).to(dtype),
+              norm_w=(0.1 * torch.randn(H, device=DEV)).to(dtype))
+    w = _weight(H, K, "dense", dtype)
+    cfg = gcfg.skinny_config(M, H, K, "dense", dev, head, kind)
+    eager = skinny.skinny_linear(x, w, cfg, **kw)
+    ref = naive.skinny_linear(x, w, **kw)
+    for a, b in zip(eager, ref):
+        assert not torch.isnan(a).any() and rel_fro(a, b) <= 2e-2, cfg
+    again = skinny.skinny_linear(x, w, cfg, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(again, eager))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = skinny.skinny_linear(x, w, cfg, **kw)
+    for _ in range(2):
+        g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, eager))
+    assert not skinny.tickets(dev).any()
 
 
 @pytest.mark.gpu

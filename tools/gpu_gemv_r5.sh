@@ -6,10 +6,20 @@
 #                                     config) for gdn.out_proj / attn.o_proj at M = 1, 2, 4, 8 and shared.down at
 #                                     M = 1, 8 -> $OUT/r5/sweep*/ (gemv.md, skinny_table.json = tuned.json updated);
 #                                     diagnostic: the same GEMV without fusions (diag.out_proj_plain) at M = 1, 8
+#   bash tools/gpu_gemv_r5.sh sweep2  the overlay: the out projections at M = 1, 4, 8 with the one-shot tiles and the
+#                                     split prologue (the gated norm / sigmoid gate in its own launch) -> $OUT/r5/sweep2/;
+#                                     then bench batched npl 1,8 (PDL on): main's tree (first) vs the overlay
+#   bash tools/gpu_gemv_r5.sh ab      main's tree: bench batched npl 1,8 (PDL on, the default); then the overlay: the
+#                                     one-shot / out-projection GPU tests (35B shapes vs naive, run to run and graph
+#                                     replay == eager), bench batched npl 1,8 (PDL on), and with LINRNN_PDL=0 the
+#                                     per-kernel profile at npl 1 and 8 -> $OUT/r5/
 . tools/device_env.sh >/dev/null
 R=${OUT:-/tmp/out}/r5; mkdir -p $R
 BR=${BR:-small-decode}
 G="python3 -m linrnn_bench.kernels.gemv --one-shot-only --workers 16"
+B="python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8 --no-progress"
+row() { grep -E "\| 128 \| 128 \||^profile:|Error" "$@" | cut -c1-160 | head -6; }
+KERN="skinny|add_rmsnorm|gated_rmsnorm|nvjet|splitK|sigmoid|elementwise"
 case "$1" in
 sweep)
   cp -r .gpu/$BR/. ./
@@ -19,5 +29,22 @@ sweep)
     > $R/sweep_down.log 2>&1; grep -E "^shared|precompiled|Error" $R/sweep_down.log | cut -c1-200 | head -6
   timeout 60 $G --only diag.out_proj_plain --m 1,8 --out $R/sweep_plain > $R/sweep_plain.log 2>&1
   grep -E "^diag|precompiled|Error" $R/sweep_plain.log | cut -c1-200 | head -6
+  ;;
+sweep2)
+  timeout 90 $B --config 'model=qwen35moe-nvfp4,label=main' --out $R/main2 > $R/main2.log 2>&1; row $R/main2/batched.md $R/main2.log
+  cp -r .gpu/$BR/. ./
+  timeout 200 $G --only gdn.out_proj,attn.o_proj --m 1,4,8 --base-table kernels/gemv/tuned.json --out $R/sweep2 \
+    > $R/sweep2.log 2>&1; grep -E "^(gdn|attn)|precompiled|Error" $R/sweep2.log | cut -c1-200 | head -20
+  timeout 90 $B --config "model=qwen35moe-nvfp4,label=$BR" --out $R/new2 > $R/new2.log 2>&1; row $R/new2/batched.md $R/new2.log
+  ;;
+ab)
+  timeout 90 $B --config 'model=qwen35moe-nvfp4,label=main' --out $R/main > $R/main.log 2>&1; row $R/main/batched.md $R/main.log
+  cp -r .gpu/$BR/. ./
+  timeout 70 python3 -m pytest -m gpu tests/test_gemv_kernels.py -k "out_projections or graph or full_shapes" -q \
+    -p no:cacheprovider -rfE > $R/tests.log 2>&1; tail -1 $R/tests.log; grep -E "FAILED|ERROR" $R/tests.log | head -5
+  timeout 90 $B --config "model=qwen35moe-nvfp4,label=$BR" --out $R/new > $R/new.log 2>&1; row $R/new/batched.md $R/new.log
+  LINRNN_PDL=0 timeout 90 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR LINRNN_PDL=0" \
+    --out $R/new_pdl0 > $R/new_pdl0.log 2>&1; row $R/new_pdl0/batched.md $R/new_pdl0.log
+  grep -E "$KERN" $R/new_pdl0/batched.md | cut -c1-140 | head -16
   ;;
 esac

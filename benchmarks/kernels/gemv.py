@@ -25,6 +25,7 @@ the largest M up to which the fused kernel beat the unfused chain at every M; "r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -303,9 +304,17 @@ def _jobs(cfg, ms, only, one_shot_only=False):
         if not selected(case, only):
             continue
         for M in ms:
-            for c in candidates(M, n_out(case, cfg), case.K, case.name == "lm_head", one_shot_only):
+            cands = candidates(M, n_out(case, cfg), case.K, case.name == "lm_head", one_shot_only)
+            if case.kind in ("gated", "sigmoid"):  # the prologue in its own launch, the GEMM without it
+                cands += [dataclasses.replace(c, split_prologue=True) for c in cands
+                          if c.one_shot and (M >= 2 or c.astuple()[:4] in SPLIT_PROLOGUE_M1)]
+            for c in cands:
                 jobs.append((ci, M, c))
     return jobs
+
+
+# at one row the split prologue is tried on the one-shot tiles that won with the fused prologue (H200, round 5)
+SPLIT_PROLOGUE_M1 = ([8, 4096, 0, 16], [4, 4096, 0, 8], [16, 1024, 0, 8], [8, 2048, 0, 8])
 
 
 def _compile_worker(args):

@@ -10,7 +10,7 @@ unfused chain is faster (every projection above its max_m, every batch above 32 
   LINRNN_SKINNY_TABLE=path.json   the per-projection table to use instead of kernels/gemv/tuned.json (measured
                                   on the H200 by tools/gpu_small_ab.sh); `bench kernels --only gemv` writes one:
                                   {"N,K,fmt[,fusion]": {"max_m": 8, "1": [block_n, block_k, split_k, warps,
-                                  stages, dot(, one_shot)], ...}, "router": {...}}; max_m: the largest M where the fused call
+                                  stages, dot(, one_shot(, split_prologue))], ...}, "router": {...}}; max_m: the largest M where the fused call
                                   beat the unfused chain (0 = never)
   LINRNN_FUSED_ROUTER=0           the router's gate GEMM, softmax / top-k and expert alignment as separate
                                   kernels (default 1: one launch, with the shared expert's gate_up, up to the
@@ -51,9 +51,13 @@ class SkinnyConfig:
     # one K tile per program (k slice = block_k, split = K / block_k, split_k ignored): the whole weight slice is
     # loaded before the PDL wait, no K loop (skinny.py ONE_SHOT)
     one_shot: bool = False
+    # the gated-norm / sigmoid-gate prologue in its own launch (skinny.split_prologue) instead of in every N tile
+    split_prologue: bool = False
 
     def astuple(self) -> list:
         t = [self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages, int(self.use_dot)]
+        if self.split_prologue:
+            return t + [int(self.one_shot), 1]
         return t + [1] if self.one_shot else t
 
 
@@ -134,7 +138,8 @@ def _table_entry(N: int, K: int, fmt: str, M: int, kind: str = "") -> SkinnyConf
     for m, spec in sorted(((int(k), v) for k, v in t.items() if k.isdigit()), key=lambda kv: kv[0]):
         if M <= m:
             bn, bk, split, warps, stages, dot = spec[:6]
-            return SkinnyConfig(bn, bk, split, warps, stages, bool(dot), one_shot=len(spec) > 6 and bool(spec[6]))
+            return SkinnyConfig(bn, bk, split, warps, stages, bool(dot), one_shot=len(spec) > 6 and bool(spec[6]),
+                                split_prologue=len(spec) > 7 and bool(spec[7]))
     return None
 
 

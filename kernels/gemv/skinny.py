@@ -413,6 +413,22 @@ def _skinny_gemm_kernel(
                     BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, RM, KCP, ADD_GROUP, ADD_SPLITS, PDL, ONE_SHOT)
 
 
+@triton.jit
+def _prologue_kernel(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, a_ptr, sa, K, pro_eps, PRO: tl.constexpr, HEAD: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """a[m, cols] = prologue(x)[m, cols] (gated norm / sigmoid gate: per-head or elementwise, no whole-row state),
+    program (row m, column block): the split-prologue configs' own launch before the GEMM (config.py)."""
+    if PDL:  # the GEMM after this launches now: its weight loads overlap this kernel
+        gdc_launch_dependents()
+        gdc_wait()
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = cols < K
+    a = _load_a(x_ptr, sx, g_ptr, sg, sgh, pw_ptr, rows, cols, rows >= 0, k_ok, tl.zeros((1,), tl.float32), pro_eps,
+                PRO, HEAD, 1, BLOCK_K, x_ptr.dtype.element_ty)
+    tl.store(a_ptr + rows[:, None] * sa + cols[None, :], a.to(x_ptr.dtype.element_ty), mask=k_ok[None, :])
+
+
 _tickets: dict[torch.device, torch.Tensor] = {}
 
 
@@ -465,6 +481,11 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
         raise ValueError(f"gated_norm prologue needs block_k ({cfg.block_k}) and K ({K}) multiples of head={head}")
     if prologue_kind in ("gated_norm", "sigmoid_gate") and gate is None:
         raise ValueError(f"the {prologue_kind} prologue needs a gate")
+    if cfg.split_prologue and prologue_kind in ("gated_norm", "sigmoid_gate") and M > 0:
+        # the prologue once, in its own launch, instead of in every N tile (M >= 4: the per-tile recomputation
+        # costs more than a launch); the GEMM then runs without it
+        x = split_prologue(x, prologue_kind, gate, pro_w, head, pro_eps)
+        prologue_kind, gate, pro_w = "none", None, None
     dev = x.device
     out = torch.empty(M, N, dtype=x.dtype, device=dev) if out is None else out
     y = torch.empty(M, N, dtype=x.dtype, device=dev) if norm_w is not None else out
@@ -528,6 +549,26 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
         ADD_GROUP=add_group, ADD_SPLITS=add_splits, ONE_SHOT=cfg.one_shot,
         num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
     return (y, out) if norm_w is not None else out
+
+
+def split_prologue(x: torch.Tensor, prologue_kind: str, gate, pro_w, head: int, pro_eps: float) -> torch.Tensor:
+    """prologue(x) [M, K] in the activation dtype (naive.prologue), one launch: the gated norm per head of `head`
+    columns or x * sigmoid(gate); gate [M, K] or a per-head strided view [M, K / head, head]."""
+    M, K = x.shape
+    if gate.dim() == 3:
+        if gate.shape[1] * gate.shape[2] != K or gate.shape[2] != head or gate.stride(2) != 1:
+            raise ValueError(f"gate of shape {tuple(gate.shape)} must be [M, K / head, head={head}]")
+        sgh = gate.stride(1)
+    else:
+        if gate.stride(-1) != 1:
+            raise ValueError("gate must be contiguous along its last dim")
+        sgh = max(head, 1)
+    block = min(triton.next_power_of_2(K), max(1024, head))
+    a = torch.empty(M, K, dtype=x.dtype, device=x.device)
+    _prologue_kernel[(M, triton.cdiv(K, block))](
+        x, x.stride(0), gate, gate.stride(0), sgh, pro_w if pro_w is not None else x, a, a.stride(0), K, pro_eps,
+        PRO=PROLOGUES[prologue_kind], HEAD=max(head, 1), BLOCK_K=block, num_warps=4, **pdl_launch_kwargs(x))
+    return a
 
 
 def pipeline_stages(cfg, x: torch.Tensor) -> int:
