@@ -26,6 +26,9 @@ unfused chain is faster (every projection above its max_m, every batch above 32 
 
 `skinny_config(M, N, K, fmt, device)`: the table's config, else a default: FMA up to 4 rows, tensor-core dots
 (rows padded to 16) above; enough programs (N tiles x K splits) for ~4 / ~2 per SM; 16-byte weight loads.
+Table configs may also be one-shot (a program's K slice is one tile, loaded whole before the PDL wait) and split
+the prologue into its own launch (the K = 4096 out projections from 3 rows: recomputing the gated norm / sigmoid
+gate in every N tile cost more than the launch; H200, benchmarks/results/small_round5/).
 """
 from __future__ import annotations
 

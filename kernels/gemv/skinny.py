@@ -9,6 +9,10 @@ are read once per step). Two inner loops (_gemm_tile):
       version reduced a 3-D product every step: Triton moved every weight tile through shared memory
       into a one-element-per-thread layout, 20 us per call on the H200.)
   dot (rows padded to 16): tl.dot on the tensor cores, software-pipelined loads (num_stages).
+  ONE_SHOT (either path; config one_shot): a program's K slice is a single tile: its whole weight slice (8-64 KB)
+      is loaded before the PDL wait, then one product, no K loop (the whole matrix in flight at once).
+split_prologue (config): the gated-norm / sigmoid-gate prologue as its own launch (_prologue_kernel, PDL) and the
+GEMM without it: at 4-8 rows the prologue recomputed by every N tile cost more than the launch (H200, round 5).
 With splits > 1 the f32 partials go to a workspace and the last program of each N tile (an atomic
 ticket, reset to 0 by that program so a captured graph can replay) sums them in split order 0, 1, ...
 (unrolled: all partial loads in flight together): the result does not depend on which program finishes
