@@ -9,17 +9,18 @@
 #   bash tools/gpu_gemv_r5.sh sweep2  the overlay: the out projections at M = 1, 4, 8 with the one-shot tiles and the
 #                                     split prologue (the gated norm / sigmoid gate in its own launch) -> $OUT/r5/sweep2/;
 #                                     then bench batched npl 1,8 (PDL on): main's tree (first) vs the overlay
-#   bash tools/gpu_gemv_r5.sh ab      main's tree: bench batched npl 1,8 (PDL on, the default); then the overlay: the
-#                                     one-shot / out-projection GPU tests (35B shapes vs naive, run to run and graph
-#                                     replay == eager), bench batched npl 1,8 (PDL on), and with LINRNN_PDL=0 the
-#                                     per-kernel profile at npl 1 and 8 -> $OUT/r5/
+#   bash tools/gpu_gemv_r5.sh ab      main's tree: bench batched npl 1,8 (PDL on, the default; then LINRNN_PDL=0 with
+#                                     the per-kernel profile at npl 1 and 8); then the overlay: the out-projection GPU
+#                                     tests (35B shapes vs naive, run to run and graph replay == eager), bench batched
+#                                     npl 1,8 (PDL on) and the PDL-off profile; last the fusions' costs at M = 1, 8
+#                                     (diag.out_proj_plain / _res / _res_norm) -> $OUT/r5/
 . tools/device_env.sh >/dev/null
 R=${OUT:-/tmp/out}/r5; mkdir -p $R
 BR=${BR:-small-decode}
 G="python3 -m linrnn_bench.kernels.gemv --one-shot-only --workers 16"
 B="python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8 --no-progress"
 row() { grep -E "\| 128 \| 128 \||^profile:|Error" "$@" | cut -c1-160 | head -6; }
-KERN="skinny|add_rmsnorm|gated_rmsnorm|nvjet|splitK|sigmoid|elementwise"
+KERN="skinny|prologue|add_rmsnorm|gated_rmsnorm|nvjet|splitK|sigmoid|elementwise"
 case "$1" in
 sweep)
   cp -r .gpu/$BR/. ./
@@ -38,13 +39,20 @@ sweep2)
   timeout 90 $B --config "model=qwen35moe-nvfp4,label=$BR" --out $R/new2 > $R/new2.log 2>&1; row $R/new2/batched.md $R/new2.log
   ;;
 ab)
-  timeout 90 $B --config 'model=qwen35moe-nvfp4,label=main' --out $R/main > $R/main.log 2>&1; row $R/main/batched.md $R/main.log
+  # main's tree first (the "before"), PDL on then the PDL-off profile; then the overlay (the "after"). A call returns
+  # at most 8 files: logs and the profiled runs' batched.md under $R, everything else under /tmp/r5
+  T=/tmp/r5; mkdir -p $T
+  timeout 90 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
+  LINRNN_PDL=0 timeout 75 $B --profile 1,8 --profile-top 40 --config 'model=qwen35moe-nvfp4,label=main LINRNN_PDL=0' \
+    --out $T/main_pdl0 > $R/main_pdl0.log 2>&1; row $R/main_pdl0.log; cp $T/main_pdl0/batched.md $R/main_pdl0.md
   cp -r .gpu/$BR/. ./
-  timeout 70 python3 -m pytest -m gpu tests/test_gemv_kernels.py -k "out_projections or graph or full_shapes" -q \
+  timeout 75 python3 -m pytest -m gpu tests/test_gemv_kernels.py -k "out_projections or graph or full_shapes" -q \
     -p no:cacheprovider -rfE > $R/tests.log 2>&1; tail -1 $R/tests.log; grep -E "FAILED|ERROR" $R/tests.log | head -5
-  timeout 90 $B --config "model=qwen35moe-nvfp4,label=$BR" --out $R/new > $R/new.log 2>&1; row $R/new/batched.md $R/new.log
-  LINRNN_PDL=0 timeout 90 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR LINRNN_PDL=0" \
-    --out $R/new_pdl0 > $R/new_pdl0.log 2>&1; row $R/new_pdl0/batched.md $R/new_pdl0.log
-  grep -E "$KERN" $R/new_pdl0/batched.md | cut -c1-140 | head -16
+  timeout 75 $B --config "model=qwen35moe-nvfp4,label=$BR" --out $T/new > $R/new.log 2>&1; row $R/new.log
+  LINRNN_PDL=0 timeout 75 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR LINRNN_PDL=0" \
+    --out $T/new_pdl0 > $R/new_pdl0.log 2>&1; row $R/new_pdl0.log; cp $T/new_pdl0/batched.md $R/new_pdl0.md
+  grep -E "$KERN" $R/new_pdl0.md | cut -c1-140 | head -20
+  timeout 60 $G --only diag.out_proj_plain,diag.out_proj_res,diag.out_proj_res_norm --m 1,8 --out $T/diag \
+    > $R/diag.log 2>&1; grep -E "^diag|precompiled|Error" $R/diag.log | cut -c1-200 | head -8
   ;;
 esac

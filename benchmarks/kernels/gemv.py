@@ -9,7 +9,8 @@ Cases (Qwen3.5-35B-A3B shapes, calls per decode step in brackets):
   shared.down  [40]  gate_add epilogue, residual + next norm       chain: F.linear + sigmoid add + add_rmsnorm
   router       [40]  fused router + shared gate_up (SiLU*mul)      chain: F.linear + route + align + F.linear + silu_mul
   lm_head      [1]   plain                                         chain: F.linear
-  diag.out_proj_plain (only when named in --only): the out projections' shape without fusions (not in the table)
+  diag.out_proj_plain / _res / _res_norm (only when named in --only): the out projections' shape without fusions,
+                     with the residual add, with residual + next RMSNorm (the fusions' costs; not in the table)
 Every (case, M) tries a list of tile configs (FMA path up to 8 rows, tensor-core dots from 4 rows up); each
 candidate is first checked against the naive composition (NaN-poisoned outputs) and not timed if wrong.
 Timing: CUDA-graph replay over rotating weight copies (> L2), median; GB/s of the weight stream and its
@@ -49,7 +50,7 @@ class Case:
 
 # the fusion each case's call site tunes by (kernels/gemv fusion_kind)
 FUSION = {"plain": "", "conv": "conv", "gated": "gated_norm", "sigmoid": "sigmoid_gate", "gate_add": "gate_add",
-          "router": ""}
+          "router": "", "res": "", "res_norm": ""}
 
 
 def cases(cfg) -> list[Case]:
@@ -63,7 +64,9 @@ def cases(cfg) -> list[Case]:
             Case("router", cfg.num_experts + 1, H, 40, "router"),
             Case("lm_head", cfg.vocab_size, H, 1, "plain"),
             # diagnostic, only when named in --only: the out projections' GEMV without their fusions (no tickets)
-            Case("diag.out_proj_plain", H, cfg.value_dim, 0, "plain")]
+            Case("diag.out_proj_plain", H, cfg.value_dim, 0, "plain"),
+            Case("diag.out_proj_res", H, cfg.value_dim, 0, "res"),  # + residual add
+            Case("diag.out_proj_res_norm", H, cfg.value_dim, 0, "res_norm")]  # + residual add + next RMSNorm
 
 
 def selected(case: Case, only: set) -> bool:
@@ -184,6 +187,8 @@ class Inputs:
                            gate_logit=self.logits[:, cfg.num_experts:], residual=self.res, norm_w=self.nw)
         elif case.kind == "router":
             self.w13 = [wt(2 * cfg.shared_expert_intermediate_size, H) for _ in range(copies)]
+        elif case.kind in ("res", "res_norm"):
+            self.kw = dict(residual=self.res, **({"norm_w": self.nw} if case.kind == "res_norm" else {}))
 
     def fused(self, w_i: int, c):
         from linrnn_kernels.gemv import skinny
@@ -217,6 +222,8 @@ class Inputs:
         elif kind == "sigmoid":
             x = x * torch.sigmoid(self.g.reshape(x.shape))
         y = F.linear(x, w)
+        if kind == "res":
+            return y + self.res
         if kind == "gate_add":
             y = self.kw["addend"] + torch.sigmoid(self.kw["gate_logit"]) * y
         if "norm_w" in self.kw:
@@ -305,6 +312,8 @@ def _jobs(cfg, ms, only, one_shot_only=False):
             continue
         for M in ms:
             cands = candidates(M, n_out(case, cfg), case.K, case.name == "lm_head", one_shot_only)
+            if case.name.startswith("diag."):  # the out projections' chosen tiles (tuned.json, round 5) only
+                cands = [c for c in cands if c.astuple()[:7] in DIAG_TILES]
             if case.kind in ("gated", "sigmoid"):  # the prologue in its own launch, the GEMM without it
                 cands += [dataclasses.replace(c, split_prologue=True) for c in cands
                           if c.one_shot and (M >= 2 or c.astuple()[:4] in SPLIT_PROLOGUE_M1)]
@@ -313,6 +322,7 @@ def _jobs(cfg, ms, only, one_shot_only=False):
     return jobs
 
 
+DIAG_TILES = ([8, 4096, 0, 16, 1, 0, 1], [64, 512, 0, 8, 1, 1, 1], [4, 4096, 0, 8, 1, 0, 1])
 # at one row the split prologue is tried on the one-shot tiles that won with the fused prologue (H200, round 5)
 SPLIT_PROLOGUE_M1 = ([8, 4096, 0, 16], [4, 4096, 0, 8], [16, 1024, 0, 8], [8, 2048, 0, 8])
 
