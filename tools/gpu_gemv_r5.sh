@@ -9,8 +9,8 @@
 #   bash tools/gpu_gemv_r5.sh sweep2  the overlay: the out projections at M = 1, 4, 8 with the one-shot tiles and the
 #                                     split prologue (the gated norm / sigmoid gate in its own launch) -> $OUT/r5/sweep2/;
 #                                     then bench batched npl 1,8 (PDL on): main's tree (first) vs the overlay
-#   bash tools/gpu_gemv_r5.sh ab      main's tree: bench batched npl 1,8 (PDL on, the default; then LINRNN_PDL=0 with
-#                                     the per-kernel profile at npl 1 and 8); then the overlay: the out-projection GPU
+#   bash tools/gpu_gemv_r5.sh ab      main's tree: bench batched npl 1,8 (PDL on, the default; with AB_MAIN_PROFILE=1
+#                                     also LINRNN_PDL=0 with the per-kernel profile at npl 1 and 8); then the overlay: the out-projection GPU
 #                                     tests (35B shapes vs naive, run to run and graph replay == eager), bench batched
 #                                     npl 1,8 (PDL on) and the PDL-off profile; last the fusions' costs at M = 1, 8
 #                                     (diag.out_proj_plain / _res / _res_norm) -> $OUT/r5/
@@ -43,8 +43,10 @@ ab)
   # at most 8 files: logs and the profiled runs' batched.md under $R, everything else under /tmp/r5
   T=/tmp/r5; mkdir -p $T
   timeout 90 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
-  LINRNN_PDL=0 timeout 75 $B --profile 1,8 --profile-top 40 --config 'model=qwen35moe-nvfp4,label=main LINRNN_PDL=0' \
-    --out $T/main_pdl0 > $R/main_pdl0.log 2>&1; row $R/main_pdl0.log; cp $T/main_pdl0/batched.md $R/main_pdl0.md
+  if [ -n "$AB_MAIN_PROFILE" ]; then  # main's PDL-off profile too (~40 s more)
+    LINRNN_PDL=0 timeout 75 $B --profile 1,8 --profile-top 40 --config 'model=qwen35moe-nvfp4,label=main LINRNN_PDL=0' \
+      --out $T/main_pdl0 > $R/main_pdl0.log 2>&1; row $R/main_pdl0.log; cp $T/main_pdl0/batched.md $R/main_pdl0.md
+  fi
   cp -r .gpu/$BR/. ./
   timeout 75 python3 -m pytest -m gpu tests/test_gemv_kernels.py -k "out_projections or graph or full_shapes" -q \
     -p no:cacheprovider -rfE > $R/tests.log 2>&1; tail -1 $R/tests.log; grep -E "FAILED|ERROR" $R/tests.log | head -5
