@@ -486,8 +486,8 @@ def skinny_linear(x: torch.Tensor, w, cfg, *, prologue_kind: str = "none", gate=
     if prologue_kind in ("gated_norm", "sigmoid_gate") and gate is None:
         raise ValueError(f"the {prologue_kind} prologue needs a gate")
     if cfg.split_prologue and prologue_kind in ("gated_norm", "sigmoid_gate") and M > 0:
-        # the prologue once, in its own launch, instead of in every N tile (M >= 4: the per-tile recomputation
-        # costs more than a launch); the GEMM then runs without it
+        # the prologue once, in its own launch, instead of in every N tile (the out projections at 3-8 rows: the
+        # per-tile recomputation cost more than a launch); the GEMM then runs without it
         x = split_prologue(x, prologue_kind, gate, pro_w, head, pro_eps)
         prologue_kind, gate, pro_w = "none", None, None
     dev = x.device
