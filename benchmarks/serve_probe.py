@@ -109,8 +109,22 @@ class ServerTrace:
         self.cum_recv: dict[str, int] = {}
         self.last_yield: dict[str, int] = {}
 
+        self.loop_lag: list[float] = []  # seconds a 1 ms sleep overshot, the event loop's busy stretches
+        self.lag_task = None
+
     def add(self, *ev) -> None:
         self.events.append(list(ev))
+
+
+LAG_TICK_S = 0.001
+
+
+async def watch_loop_lag(into: list[float]) -> None:
+    """How late the event loop runs a callback: sleep LAG_TICK_S, record the overshoot, repeat."""
+    while True:
+        t = now()
+        await asyncio.sleep(LAG_TICK_S)
+        into.append(now() - t - LAG_TICK_S)
 
 
 def install_server_probe(trace: ServerTrace) -> None:
@@ -197,12 +211,23 @@ def install_server_probe(trace: ServerTrace) -> None:
                 return await self.app(scope, receive, send)
             if scope["path"] == "/probe/trace":
                 body = json.dumps({"loop": type(asyncio.get_running_loop()).__module__ + "." +
-                                   type(asyncio.get_running_loop()).__name__, "events": trace.events}).encode()
+                                   type(asyncio.get_running_loop()).__name__, "events": trace.events, "loop_lag": trace.loop_lag}).encode()
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-type", b"application/json")]})
                 await send({"type": "http.response.body", "body": body})
                 return
-            trace.add("http_in", now(), scope["path"])
+            t_in = now()
+            trace.add("http_in", t_in, scope["path"])
+            if trace.lag_task is None:
+                trace.lag_task = asyncio.ensure_future(watch_loop_lag(trace.loop_lag))
+            t_body = [None]
+            named = [False]
+
+            async def traced_receive():
+                msg = await receive()
+                if msg["type"] == "http.request" and not msg.get("more_body") and t_body[0] is None:
+                    t_body[0] = now()
+                return msg
 
             async def traced_send(msg):
                 if msg["type"] == "http.response.body":
@@ -211,12 +236,17 @@ def install_server_probe(trace: ServerTrace) -> None:
                     if m:
                         rid = m.group(1).decode()
                         t = now()
+                        if not named[0]:  # this request's ASGI call and body read, by the response's id
+                            named[0] = True
+                            trace.add("http_in_rid", t_in, rid)
+                            if t_body[0] is not None:
+                                trace.add("body_in_rid", t_body[0], rid)
                         await send(msg)
                         trace.add("sse", t, [(rid, trace.last_yield.get(rid, 0))], now() - t)
                         return
                 await send(msg)
 
-            return await self.app(scope, receive, traced_send)
+            return await self.app(scope, traced_receive, traced_send)
 
     def build_app(*a, **kw):
         app = real_build(*a, **kw)

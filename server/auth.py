@@ -18,8 +18,10 @@ def _digest(s: str) -> bytes:
     return hashlib.sha256(s.encode("utf-8", errors="surrogatepass")).digest()
 
 
-def require_api_key(request: Request) -> None:
-    """FastAPI dependency: 401 with an OpenAI error object unless `Authorization: Bearer <key>`."""
+async def require_api_key(request: Request) -> None:
+    """FastAPI dependency: 401 with an OpenAI error object unless `Authorization: Bearer <key>`. Async
+    (it never blocks): FastAPI runs a plain `def` dependency in its thread pool, and that hop cost every
+    request two event-loop iterations and a GIL hand-over (several ms with many streams, issue #16)."""
     key = request.app.state.server.api_key
     if not key:
         return

@@ -256,6 +256,14 @@ async def until_disconnect(request: Request, coro):
     return task.result()
 
 
+async def _first_or_error(it: AsyncIterator[RequestOutput]) -> RequestOutput | Exception:
+    """The first output, or the error (as `asyncio.gather(..., return_exceptions=True)` would give it)."""
+    try:
+        return await anext(it)
+    except Exception as e:  # noqa: BLE001 - mapped by Generation.start
+        return e
+
+
 class Generation:
     """One HTTP request: one engine request per prompt, each with `params.n` samples.
 
@@ -283,7 +291,10 @@ class Generation:
         self._iters = [eng.generate(ids, self.params, rid) for ids, rid in zip(self.prompts, self.ids)]
         self.state.active.update(self.ids)
         try:
-            results = await asyncio.gather(*(anext(it) for it in self._iters), return_exceptions=True)
+            if len(self._iters) == 1:  # awaited in this task: a gather's child task costs a loop iteration
+                results = [await _first_or_error(self._iters[0])]
+            else:
+                results = await asyncio.gather(*(anext(it) for it in self._iters), return_exceptions=True)
         except BaseException:  # cancelled: the client went away, or shutdown
             await self.close()
             raise

@@ -78,13 +78,12 @@ def test_latency_definitions(fake_server):
 
 def test_per_request_relations(fake_server):
     """E2EL = TTFT + sum(ITL) (to the last chunk), TPOT = (E2EL - TTFT) / (out - 1), exactly."""
-    import httpx
-
+    from linrnn_bench.http_client import StreamClient
     from linrnn_bench.serve import send_request, summarize
 
     async def go():
-        async with httpx.AsyncClient() as c:
-            return [await send_request(c, fake_server, "m", [1, 2, 3], N) for _ in range(2)]
+        async with StreamClient(fake_server) as c:
+            return [await send_request(c, "m", [1, 2, 3], N) for _ in range(2)]
     res = asyncio.run(go())
     for x in res:
         assert x.ok and x.output_tokens == N and len(x.itl) == N - 1

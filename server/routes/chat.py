@@ -261,7 +261,9 @@ async def _stream(gen: Generation, req: ChatCompletionRequest, model: str, creat
             for c in ro.outputs:
                 if c.index in finished:
                     continue
-                st = states.setdefault(c.index, _ChoiceStream(run))
+                st = states.get(c.index)
+                if st is None:  # once per choice (not setdefault: it would build a parser per chunk)
+                    st = states[c.index] = _ChoiceStream(run)
                 start_chars, start_tok = sent_chars.get(c.index, 0), sent_tokens.get(c.index, 0)
                 piece = c.text[start_chars:] if len(c.text) > start_chars else ""
                 new_ids = c.token_ids[start_tok:]

@@ -180,8 +180,10 @@ async def _stream(gen: Generation, req: CompletionRequest, model: str, created: 
                 prefix = _echo_text(eng, texts[pi], ro.prompt_token_ids) if req.echo and first else ""
                 logprobs = None
                 if req.logprobs is not None:
-                    b = builders.setdefault(idx, _LogprobBuilder(
-                        eng, skip_special_tokens=req.skip_special_tokens, as_ids=req.return_tokens_as_token_ids))
+                    b = builders.get(idx)
+                    if b is None:
+                        b = builders[idx] = _LogprobBuilder(eng, skip_special_tokens=req.skip_special_tokens,
+                                                            as_ids=req.return_tokens_as_token_ids)
                     logprobs = CompletionLogprobs()
                     if req.echo and first:
                         b.add(logprobs, ro.prompt_token_ids,

@@ -1,0 +1,334 @@
+"""The API server's hand-over latency under many streams, on the CPU (issue #16 "Benefit", issue #14 TTFT).
+
+    python -m linrnn_bench.handover run --out DIR [--label L] [--users 32 --turns 8 --system-len 2048
+        --user-len 128 --output-len 128] [--decode-ms 8.5 --prefill-tokens-per-ms 50] [-- server flags]
+
+Reproduces the H200 multi-turn benefit run (tools/gpu_prefix.sh) without a GPU: the real API server
+(`linrnn-serve` with the serve_probe trace) and engine-core process, the model's forward stubbed
+(host_overhead.StubExecutor: no model math) and paced like the H200 (`PacedStubExecutor`: a step lasts
+at least decode-ms + prefill tokens / prefill-tokens-per-ms, the host's own work included, as an
+overlapped GPU step would), under `bench serve --workload multi-turn` (32 users x 8 turns, a 2048-token
+shared system prompt, prefix caching on). Per request, tools/prefix_timeline.py's TTFT parts and two
+more hops of the server trace:
+
+    client send -> the ASGI app is called (`http_in`: uvicorn has parsed the request head)
+                -> the body has been read (`body_in`)
+                -> the route hands the request to the core (`add_sent`)
+                -> the core queues it (`add`) -> the core sends its first token -> the client reads it
+
+Writes DIR/handover_L.json (medians per turn and over turns 2..T) and DIR/handover_L.md, plus the
+bench's JSON. `report DIR L1 L2 ...` prints the runs side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from linrnn_bench.host_overhead import StubExecutor
+
+PACE_ENV = "LINRNN_STUB_PACE"  # "decode_ms,prefill_tokens_per_ms" for the core process
+UVICORN_ENV = "LINRNN_HANDOVER_UVICORN"  # "loop,http" forced on uvicorn (default: its "auto")
+
+
+class PacedStubExecutor(StubExecutor):
+    """The stubbed forward, paced like a GPU step: the step's host work counts toward its duration."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        d, p = (float(x) for x in os.environ.get(PACE_ENV, "8.5,50").split(","))
+        self.decode_s, self.prefill_tokens_per_s = d / 1e3, p * 1e3
+
+    def execute_async(self, plan):
+        t0 = time.perf_counter()
+        pending = super().execute_async(plan)
+        tokens = sum(len(r.token_ids) for r in plan.prefill)
+        left = t0 + self.decode_s + tokens / self.prefill_tokens_per_s - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return pending
+
+
+def server_main(argv: list[str]) -> int:
+    """The traced `linrnn-serve` (serve_probe) with the paced stub as the core's executor."""
+    import dataclasses
+
+    from linrnn_bench import serve_probe
+    from linrnn_server import cli
+
+    trace_dir = argv[0]
+    os.makedirs(trace_dir, exist_ok=True)
+    os.environ[serve_probe.TRACE_ENV] = os.path.abspath(trace_dir)
+    serve_probe.install_server_probe(serve_probe.ServerTrace())
+    forced = os.environ.get(UVICORN_ENV)
+    if forced:  # e.g. "asyncio,h11": the server as it runs without uvloop / httptools installed
+        import uvicorn
+
+        loop, http = forced.split(",")
+        real_init = uvicorn.Config.__init__
+
+        def init(self, *a, **kw):
+            real_init(self, *a, **{**kw, "loop": loop, "http": http})
+
+        uvicorn.Config.__init__ = init
+    real = cli.engine_config
+    cli.engine_config = lambda args: dataclasses.replace(real(args), executor="linrnn_bench.handover:PacedStubExecutor")
+    return cli.main(argv[1:])
+
+
+def client_main(argv: list[str]) -> int:
+    """`linrnn-serve bench serve ...` (argv) with the client's event-loop lag recorded into argv[0]."""
+    import asyncio
+
+    from linrnn_bench import serve
+    from linrnn_bench.serve_probe import watch_loop_lag
+    from linrnn_serve.cli import main as cli_main
+
+    import contextvars
+
+    from linrnn_bench import http_client
+
+    lags: list[float] = []
+    written: dict[str, float] = {}  # request id -> when its head and body were written to the socket
+    conns = [0]
+    current: contextvars.ContextVar = contextvars.ContextVar("handover_request", default=None)
+    real_exchange, real_open = http_client.StreamClient._exchange, asyncio.open_connection
+
+    async def exchange(self, reader, writer, data):
+        holder = current.get()
+        if holder is not None:
+            holder["written"] = time.perf_counter()  # _exchange writes at once (no await before the write)
+        return await real_exchange(self, reader, writer, data)
+
+    async def open_connection(*a, **k):
+        conns[0] += 1
+        return await real_open(*a, **k)
+
+    http_client.StreamClient._exchange = exchange
+    asyncio.open_connection = open_connection
+    real_send = serve.send_request
+
+    async def send_request(*a, **k):
+        holder: dict = {}
+        current.set(holder)
+        r = await real_send(*a, **k)
+        if "written" in holder and r.request_id:
+            written[r.request_id] = holder["written"]
+        return r
+
+    serve.send_request = send_request
+    real = serve.run_multi_turn
+
+    async def run_multi_turn(*a, **k):
+        task = asyncio.ensure_future(watch_loop_lag(lags))
+        try:
+            return await real(*a, **k)
+        finally:
+            task.cancel()
+
+    serve.run_multi_turn = run_multi_turn
+    rc = cli_main(["bench", "serve", *argv[1:]])
+    with open(argv[0], "w") as f:
+        json.dump({"loop_lag": lags, "written": written, "connections": conns[0]}, f)
+    return rc
+
+
+def lag_stats(lags: list[float]) -> dict:
+    """The event loop's lag (ms): median, p90, p99, and the share of wall time it was late by > 5 ms."""
+    if not lags:
+        return {}
+    s = sorted(lags)
+    q = lambda p: 1e3 * s[min(len(s) - 1, int(p * len(s)))]  # noqa: E731
+    return {"median": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": 1e3 * s[-1]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited during start-up (code {proc.returncode})")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not become healthy")
+
+
+def load_core(trace_dir: str) -> list[list]:
+    """The core's trace events (serve_probe core: add, step, per-step token sends)."""
+    ev: list[list] = []
+    for name in sorted(os.listdir(trace_dir)):
+        if name.startswith("core-") and name.endswith(".jsonl"):
+            with open(os.path.join(trace_dir, name)) as f:
+                ev += [json.loads(line) for line in f if line.strip()]
+    return ev
+
+
+def med(v: list[float]) -> float:
+    return statistics.median(v) if v else float("nan")
+
+
+PARTS = ("send -> body written", "body written -> ASGI call", "send -> ASGI call", "ASGI call -> body read", "body read -> hand-over", "send -> hand-over",
+         "hand-over -> core add", "core add -> first token sent", "first token sent -> client", "TTFT")
+
+
+def breakdown(bench: dict, core: list[list], server: dict, written: dict[str, float]) -> dict:
+    """Per turn and over turns 2..T: the median of each TTFT part (ms)."""
+    run = bench["runs"][0]
+    adds = {e[2]: e[1] for e in core if e[0] == "add"}
+    first: dict[str, float] = {}
+    for e in core:
+        if e[0] == "core":
+            for rid, cum in e[2]:
+                if cum >= 1 and rid not in first:
+                    first[rid] = e[1]
+    ev = server["events"]
+    handed = {e[2]: e[1] for e in ev if e[0] == "add_sent"}
+    http_in = {e[2]: e[1] for e in ev if e[0] == "http_in_rid"}
+    body_in = {e[2]: e[1] for e in ev if e[0] == "body_in_rid"}
+    per: dict[int, dict[str, list[float]]] = {}
+    for turn, _u, rid, sent, ttft, *_ in run["requests"]:
+        if rid not in handed or rid not in adds or rid not in first:
+            continue
+        p = per.setdefault(turn, {k: [] for k in PARTS})
+        if rid in written:
+            p["send -> body written"].append(written[rid] - sent)
+            if rid in http_in:
+                p["body written -> ASGI call"].append(http_in[rid] - written[rid])
+        if rid in http_in and rid in body_in:
+            p["send -> ASGI call"].append(http_in[rid] - sent)
+            p["ASGI call -> body read"].append(body_in[rid] - http_in[rid])
+            p["body read -> hand-over"].append(handed[rid] - body_in[rid])
+        p["send -> hand-over"].append(handed[rid] - sent)
+        p["hand-over -> core add"].append(adds[rid] - handed[rid])
+        p["core add -> first token sent"].append(first[rid] - adds[rid])
+        p["first token sent -> client"].append(sent + ttft - first[rid])
+        p["TTFT"].append(ttft)
+    turns = {t: {k: 1e3 * med(v) for k, v in p.items()} | {"n": len(p["TTFT"])} for t, p in sorted(per.items())}
+    later = {k: 1e3 * med([x for t, p in per.items() if t > 1 for x in p[k]]) for k in PARTS}
+    return {"turns": turns, "turns_2_plus": later}
+
+
+def run_main(a) -> int:
+    os.makedirs(a.out, exist_ok=True)
+    trace = os.path.join(a.out, f"trace_{a.label}")
+    subprocess.run(["rm", "-rf", trace])
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, PACE_ENV: f"{a.decode_ms},{a.prefill_tokens_per_ms}"}
+    extra = a.server_args[1:] if a.server_args[:1] == ["--"] else a.server_args
+    log = open(os.path.join(a.out, f"server_{a.label}.log"), "w")
+    srv = subprocess.Popen([sys.executable, "-m", "linrnn_bench.handover", "server", trace, "--model", "default",
+                            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "64",
+                            "--enable-prefix-caching", "--max-model-len", "8192", "--num-prefix-snapshots", "256",
+                            *extra],
+                           env=env, stdout=log, stderr=subprocess.STDOUT)
+    bench_json = os.path.join(a.out, f"multi_turn_{a.label}.json")
+    try:
+        _wait_health(url, srv)
+        client_lag = os.path.join(a.out, f"client_lag_{a.label}.json")
+        r = subprocess.run([sys.executable, "-m", "linrnn_bench.handover", "client", client_lag, "--base-url", url, "--workload",
+                            "multi-turn", "--num-users", str(a.users), "--num-turns", str(a.turns), "--system-len",
+                            str(a.system_len), "--user-len", str(a.user_len), "--output-len", str(a.output_len),
+                            "--out", bench_json], capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            print(r.stdout[-3000:], r.stderr[-3000:], file=sys.stderr)
+        import httpx
+
+        server = httpx.get(url + "/probe/trace", timeout=60).json()
+    finally:
+        srv.send_signal(signal.SIGINT)
+        try:
+            srv.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+        log.close()
+    with open(bench_json) as f:
+        bench = json.load(f)
+    with open(client_lag) as f:
+        client = json.load(f)
+    b = breakdown(bench, load_core(trace), server, client["written"])
+    run = bench["runs"][0]
+    b.update(label=a.label, args={k: v for k, v in vars(a).items() if k != "func"},
+             ttft_p50_turns_2_plus_ms=run["ttft_ms_turns_2_plus"]["median"], output_throughput=run["output_throughput"],
+             failed=run["failed"], server_loop_lag_ms=lag_stats(server.get("loop_lag", [])),
+             client_loop_lag_ms=lag_stats(client["loop_lag"]), client_connections=client["connections"], hit_rate=run["hit_rate"], load_avg_1m=os.getloadavg()[0],
+             commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    with open(os.path.join(a.out, f"handover_{a.label}.json"), "w") as f:
+        json.dump(b, f, indent=1)
+    md = format_runs([b])
+    with open(os.path.join(a.out, f"handover_{a.label}.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0 if run["failed"] == 0 else 1
+
+
+def format_runs(runs: list[dict]) -> str:
+    lines = ["| part (median over turns 2..T, ms) | " + " | ".join(r["label"] for r in runs) + " |",
+             "|---|" + "---:|" * len(runs)]
+    for k in PARTS:
+        lines.append(f"| {k} | " + " | ".join(f"{r['turns_2_plus'][k]:.1f}" for r in runs) + " |")
+    for who in ("server", "client"):
+        for q in ("median", "p90", "p99"):
+            lines.append(f"| {who} event-loop lag {q} | " + " | ".join(
+                f"{r.get(who + '_loop_lag_ms', {}).get(q, float('nan')):.1f}" for r in runs) + " |")
+    for name, key, fmt in (("bench TTFT p50 turns 2..T", "ttft_p50_turns_2_plus_ms", "{:.1f}"),
+                           ("output tok/s", "output_throughput", "{:.0f}"), ("hit rate", "hit_rate", "{:.3f}"),
+                           ("failed", "failed", "{}"), ("1-min load average", "load_avg_1m", "{:.1f}"),
+                           ("commit", "commit", "{}")):
+        lines.append(f"| {name} | " + " | ".join(fmt.format(r[key]) for r in runs) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "server":
+        return server_main(argv[1:])
+    if argv and argv[0] == "client":
+        return client_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m linrnn_bench.handover")
+    sub = p.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--label", default="run")
+    r.add_argument("--users", type=int, default=32)
+    r.add_argument("--turns", type=int, default=8)
+    r.add_argument("--system-len", type=int, default=2048)
+    r.add_argument("--user-len", type=int, default=128)
+    r.add_argument("--output-len", type=int, default=128)
+    r.add_argument("--decode-ms", type=float, default=8.5)
+    r.add_argument("--prefill-tokens-per-ms", type=float, default=50.0)
+    r.add_argument("server_args", nargs=argparse.REMAINDER)
+    rep = sub.add_parser("report")
+    rep.add_argument("dir")
+    rep.add_argument("labels", nargs="+")
+    a = p.parse_args(argv)
+    if a.mode == "run":
+        return run_main(a)
+    runs = []
+    for label in a.labels:
+        with open(os.path.join(a.dir, f"handover_{label}.json")) as f:
+            runs.append(json.load(f))
+    print(format_runs(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
