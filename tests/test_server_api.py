@@ -491,3 +491,36 @@ def test_shutdown_stops_engine(engine):
     with TestClient(build_app(engine, shutdown_mode="finish", shutdown_timeout=3.0)) as c:
         assert c.get("/health").status_code == 200
     assert engine.shutdown_calls == [("finish", 3.0)]
+
+
+def test_logprob_text_offsets_match_incremental_utf8_decoding():
+    """_LogprobBuilder's ASCII shortcut gives the offsets of decoding every token's bytes incrementally,
+    characters split across tokens included (fresh random splits of mixed-width text)."""
+    import codecs
+    import random
+
+    from linrnn_server.routes.completions import _LogprobBuilder
+    from linrnn_server.protocol import CompletionLogprobs
+
+    rng = random.Random(7)
+    text = "".join(rng.choice(["a", "Z", " ", "é", "ß", "中", "😀", "\n"]) for _ in range(400)).encode()
+    cuts = sorted(rng.sample(range(1, len(text)), 250))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+    class Eng:
+        def token_bytes(self, tid):
+            return pieces[tid]
+
+        def is_special(self, tid):
+            return False
+
+    b = _LogprobBuilder(Eng(), as_ids=True)
+    lp = CompletionLogprobs()
+    for start in range(0, len(pieces), 7):  # stream chunks of up to 7 tokens
+        ids = list(range(start, min(start + 7, len(pieces))))
+        b.add(lp, ids, [{i: -1.0} for i in ids])
+    ref, dec, off = [], codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
+    for p in pieces:
+        ref.append(off)
+        off += len(dec.decode(p))
+    assert lp.text_offset == ref and any(not p.isascii() for p in pieces)

@@ -54,15 +54,22 @@ class _LogprobBuilder:
         self.eng, self.offset, self.skip = eng, offset, skip_special_tokens
         self.name = (lambda t: f"token_id:{t}") if as_ids else eng.token_str  # return_tokens_as_token_ids
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.partial = False  # the decoder holds the first bytes of a character
 
     def restart(self, offset: int) -> None:
         self.offset = offset
         self.utf8.reset()
+        self.partial = False
 
     def _advance(self, tid: int) -> None:
         if self.skip and self.eng.is_special(tid):
             return
-        self.offset += len(self.utf8.decode(self.eng.token_bytes(tid)))
+        b = self.eng.token_bytes(tid)
+        if not self.partial and b.isascii():  # most tokens: one character per byte, no decoder call
+            self.offset += len(b)
+            return
+        self.offset += len(self.utf8.decode(b))
+        self.partial = bool(self.utf8.getstate()[0])
 
     def add(self, into: CompletionLogprobs, token_ids: list[int], entries: list[dict[int, float] | None],
             first_is_null: bool = False) -> CompletionLogprobs:
