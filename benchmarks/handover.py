@@ -112,6 +112,23 @@ def client_main(argv: list[str]) -> int:
 
     http_client.StreamClient._exchange = exchange
     asyncio.open_connection = open_connection
+    if not hasattr(serve, "StreamClient"):  # a bench serve on httpx (before this client): hook httpcore
+        import httpcore._async.http11 as conn11
+
+        real_body, real_conn = conn11.AsyncHTTP11Connection._send_request_body, conn11.AsyncHTTP11Connection.__init__
+
+        async def send_body(self, *a, **k):
+            await real_body(self, *a, **k)
+            holder = current.get()
+            if holder is not None:
+                holder["written"] = time.perf_counter()
+
+        def conn_init(self, *a, **k):
+            conns[0] += 1
+            real_conn(self, *a, **k)
+
+        conn11.AsyncHTTP11Connection._send_request_body = send_body
+        conn11.AsyncHTTP11Connection.__init__ = conn_init
     real_send = serve.send_request
 
     async def send_request(*a, **k):
@@ -252,6 +269,8 @@ def run_main(a) -> int:
         import httpx
 
         server = httpx.get(url + "/probe/trace", timeout=60).json()
+        with open(os.path.join(trace, "server.json"), "w") as f:  # as tools/gpu_prefix.sh keeps it
+            json.dump(server, f)
     finally:
         srv.send_signal(signal.SIGINT)
         try:

@@ -14,6 +14,11 @@ python3 - <<'PY'
 import torch, triton, transformers, fastapi, uvicorn, pydantic, openai
 print(f"device: {torch.cuda.get_device_name(0)} | torch {torch.__version__} | triton {triton.__version__} | "
       f"transformers {transformers.__version__} | fastapi {fastapi.__version__} | openai {openai.__version__}")
+try:  # uvicorn's fast event loop and HTTP parser (pyproject dependencies; wheels in .whl/)
+    import httptools, uvloop
+    print(f"uvloop {uvloop.__version__} | httptools {httptools.__version__}")
+except ImportError as e:
+    print("uvloop / httptools missing (uvicorn falls back to asyncio + h11):", e)
 try:
     import fla
     print("fla-core", fla.__version__)

@@ -5,9 +5,10 @@ with the traced server (`python -m linrnn_bench.serve_probe server --trace-dir D
 
 BENCH.json: the bench's result (its `requests` records: send time on CLOCK_MONOTONIC, TTFT); TRACE_DIR:
 the core's `core-*.jsonl` (add, step with the launched plan's composition, per-step token sends);
-SERVER_TRACE.json: the API server's `/probe/trace` (add_sent per request), optional. Prints per turn the
-median of each TTFT part (client send -> server hands the request to the core -> the core queues it ->
-the core sends its first token -> the client reads it), the burst's arrival spread at the core, and the
+SERVER_TRACE.json: the API server's `/probe/trace` (add_sent per request; http_in_rid: its ASGI call),
+optional. Prints per turn the median of each TTFT part (client send -> server hands the request to the
+core -> the core queues it -> the core sends its first token -> the client reads it; the first part also
+split at the ASGI call: the client's send and HTTP parsing before it, body read and route after it), the burst's arrival spread at the core, and the
 steps that ran while the turn's requests waited for their first token; then one turn's steps in full.
 """
 from __future__ import annotations
@@ -42,10 +43,11 @@ def analyse(bench: dict, core: list[list], server: dict | None, steps_turn: int)
                     first[rid] = e[1]
     steps = sorted((e for e in core if e[0] == "step" and len(e) > 4 and e[4]), key=lambda e: e[1])
     handed = {e[2]: e[1] for e in server["events"] if e[0] == "add_sent"} if server else {}
+    http_in = {e[2]: e[1] for e in server["events"] if e[0] == "http_in_rid"} if server else {}
     lines = ["| turn | TTFT ms | send -> server hands over | -> core add | core add -> first token sent | "
              "-> client | core arrival spread ms | steps until the last first token | of which with decode rows | "
-             "prefill tokens / step |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "prefill tokens / step | send -> ASGI call | ASGI call -> hands over |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     detail = []
     for turn in sorted({r[0] for r in run["requests"]}):
         rs = [r for r in run["requests"] if r[0] == turn and r[2] in adds and r[2] in first]
@@ -57,12 +59,14 @@ def analyse(bench: dict, core: list[list], server: dict | None, steps_turn: int)
         burst = [s for s in steps if t_lo <= s[1] <= t_hi]
         ho = [1e3 * (handed[r[2]] - r[3]) for r in rs if r[2] in handed]
         hc = [1e3 * (adds[r[2]] - handed[r[2]]) for r in rs if r[2] in handed]
+        hi = [1e3 * (http_in[r[2]] - r[3]) for r in rs if r[2] in http_in]
+        ih = [1e3 * (handed[r[2]] - http_in[r[2]]) for r in rs if r[2] in http_in and r[2] in handed]
         lines.append(
             f"| {turn} | {med([1e3 * r[4] for r in rs]):.1f} | {med(ho):.1f} | {med(hc):.1f} | "
             f"{med([1e3 * (first[r[2]] - adds[r[2]]) for r in rs]):.1f} | "
             f"{med([1e3 * (r[3] + r[4] - first[r[2]]) for r in rs]):.1f} | {1e3 * (max(a) - min(a)):.1f} | "
             f"{len(burst)} | {sum(1 for s in burst if s[4][0])} | "
-            f"{med([s[4][2] for s in burst if s[4][2]]):.0f} |")
+            f"{med([s[4][2] for s in burst if s[4][2]]):.0f} | {med(hi):.1f} | {med(ih):.1f} |")
         if turn == steps_turn:
             detail = [f"Turn {turn}, steps from its first core add (t = 0) to its last first token: t ms (step "
                       f"call start), host ms (the call's wall time), arrived (adds since the previous step), "
