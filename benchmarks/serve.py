@@ -9,7 +9,10 @@ vLLM `bench serve` definitions (BENCH.md "Serving benchmark"):
   request throughput = completed requests / duration. Mean, median and p99 of each latency.
 
 Prompts are random token-id lists of a fixed length (the completions API accepts token ids; vLLM
-and linrnn-serve both do), outputs a fixed length via max_tokens + ignore_eos, a fixed seed.
+and linrnn-serve both do), outputs a fixed length via max_tokens + ignore_eos, a fixed seed. Requests go
+through a lean keep-alive HTTP/1.1 client (benchmarks/http_client.py): with 32+ streams in one event loop,
+httpx's own per-chunk and per-send work delayed sends and token reads by ~10-45 ms, time that ended up in
+the server's TTFT (benchmarks/results/serving/handover_cpu/).
 
 `--workload multi-turn` (prefix caching): N users (`--num-users`, all at once) each hold a
 conversation of T turns (`--num-turns`): a system prompt of S tokens shared by every user
