@@ -10,6 +10,9 @@
 #            all-f32 / all-bf16 / 50 % f32 at B = 1..256, % of copy of the same run -> $OUT/bf16/default, and the
 #            issue's two kernel target lines (all-bf16 % of copy, 50 % f32 vs all-f32) -> $OUT/bf16/targets.log
 #   engine   bench batched, 35B-A3B NVFP4 dummy, f32 state vs ssm-bf16-tau=16 in one run, npl 64 and 128
+#   blocked  tools/gdn_blocked_probe.py: the blocked state layout experiment (kernels/gdn/decode_blocked.py, per head
+#            [Dv / W, Dk, W]) vs the current kernel: correctness (naive reference, bit for bit vs current) and timing
+#            at 0 / 50 / 100 % f32 heads, B = 64, 128, 256, 1, 8, 32 -> $OUT/bf16/blocked (~4 minutes alone)
 #   tests    pytest -k "gpu_decode or partition_major" (compiled kernels vs the naive reference at 35B-A3B shapes)
 # Prints the tables; everything lands under $OUT/bf16.
 #   bash tools/gpu_gdn_bf16.sh [check,bench,engine,tests]
@@ -54,6 +57,13 @@ if has engine; then
     --npp 128 --ntg 128 --npl 64,128 --config 'model=qwen35moe-nvfp4,label=nvfp4 f32' \
     --config 'model=qwen35moe-nvfp4,ssm-bf16-tau=16,label=nvfp4 tau=16' --no-progress --out $R/batched 2>&1 \
     | grep -vE "Warning|warn" | tee $R/batched.log | tail -12
+fi
+if has blocked; then
+  timeout ${BLOCKED_TIMEOUT:-270} python3 tools/gdn_blocked_probe.py --out $R/blocked 2>&1 | grep -vE "Warning|warn" \
+    > $R/blocked.log
+  grep -vE "^ok " $R/blocked.log
+  echo "blocked check: $(grep -c '^ok' $R/blocked.log) ok, $(grep -c '^FAIL' $R/blocked.log) FAIL," \
+    "$(grep -c 'bit: True' $R/blocked.log) bit-identical to the current kernel"
 fi
 rm -f kernels/gdn/decode_main.py
 if has tests; then
