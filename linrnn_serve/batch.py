@@ -52,7 +52,8 @@ class GDNLayerState:
 
     State orientation is [Dk, Dv] (as transformers and fla), kept everywhere:
       ssm_f32  [slots, H_f32,  Dk, Dv] float32   -- long-memory heads
-      ssm_bf16 [slots, H_bf16, Dk, Dv] bfloat16  -- short-memory heads
+      ssm_bf16 [slots, H_bf16, Dv / W, Dk, W] bfloat16  -- short-memory heads, each head's [Dk, Dv] stored
+          as Dv / W column blocks (W = 64; linrnn_kernels/gdn/layout.py: a decode tile is one contiguous run)
       head_is_bf16 [Hv] int32, head_local [Hv] int32 -- natural head h lives in partition
           (bf16 if head_is_bf16[h] else f32) at index head_local[h]
       conv     [slots, K-1, conv_dim] activation dtype -- last K-1 pre-conv q/k/v inputs

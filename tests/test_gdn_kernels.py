@@ -19,6 +19,7 @@ from linrnn_kernels.gdn import conv as conv_k
 from linrnn_kernels.gdn import decode as decode_k
 from linrnn_kernels.gdn import naive
 from linrnn_kernels.gdn import prefill as prefill_k
+from linrnn_kernels.gdn.layout import bf16_pool_shape, from_bf16_blocked, to_bf16_blocked
 
 CUDA = torch.cuda.is_available()
 SMALL = dict(Hk=2, Hv=4, Dk=16, Dv=32)  # group 2, two Dv tiles of 16 in decode at small B
@@ -83,10 +84,10 @@ def make_pools(Hv, Dk, Dv, slots, bf16_mask, live_slots, device):
         local.append(cb if is_b else cf)
         cb, cf = cb + is_b, cf + (not is_b)
     f32 = torch.full((slots, nf, Dk, Dv), math.nan, dtype=torch.float32, device=device)
-    bf = torch.full((slots, nb, Dk, Dv), math.nan, dtype=torch.bfloat16, device=device)
+    bf = torch.full(bf16_pool_shape(slots, nb, Dk, Dv), math.nan, dtype=torch.bfloat16, device=device)
     live = torch.tensor(sorted(set(live_slots)), dtype=torch.long, device=device)
     f32[live] = 0.3 * torch.randn(len(live), nf, Dk, Dv, device=device)
-    bf[live] = (0.3 * torch.randn(len(live), nb, Dk, Dv, device=device)).bfloat16()
+    bf[live] = (0.3 * torch.randn(bf16_pool_shape(len(live), nb, Dk, Dv), device=device)).bfloat16()
     return (f32, bf, torch.tensor(bf16_mask, dtype=torch.int32, device=device),
             torch.tensor(local, dtype=torch.int32, device=device))
 
@@ -198,6 +199,38 @@ def test_decode_partition_major_order_is_bit_identical(poison_empty, kind, bv):
     run_decode(SMALL, B, kind, torch.float32, KERNEL_DEVICE, config=(bv, 2, "evict_first", "evict_first", None, True))
 
 
+BLOCKED = dict(Hk=2, Hv=4, Dk=16, Dv=128)  # Dv = 2 blocks of the bf16 partition's layout (layout.py, W = 64)
+
+
+def test_bf16_pool_layout_is_blocked():
+    """The bf16 partition stores head state S [Dk, Dv] as Dv / W blocks S[:, jW:(j+1)W], each contiguous."""
+    x = torch.randn(3, 2, 16, 128)
+    blocked = to_bf16_blocked(x)
+    assert blocked.shape == bf16_pool_shape(3, 2, 16, 128) == (3, 2, 2, 16, 64) and blocked.is_contiguous()
+    assert torch.equal(blocked[1, 1, 1], x[1, 1, :, 64:]) and torch.equal(blocked[2, 0, 0], x[2, 0, :, :64])
+    assert torch.equal(from_bf16_blocked(blocked), x)
+    assert bf16_pool_shape(5, 3, 16, 32) == (5, 3, 1, 16, 32)  # Dv < 64: one block, the [Dk, Dv] bytes
+
+
+@pytest.mark.parametrize("kind", ["0.5", "bf16"])
+@pytest.mark.parametrize("bv", [16, 32, 64, 128])
+def test_decode_blocked_bf16_layout(poison_empty, kind, bv):
+    """Decode tiles narrower than, equal to and wider than a bf16 block (Dv = 2 blocks), both program orders,
+    vs the naive reference (which converts the blocked pool at its boundary); unused slots stay NaN."""
+    for major in (None, False):
+        run_decode(BLOCKED, 3, kind, torch.float32, KERNEL_DEVICE,
+                   config=(bv, 4 if bv >= 64 else 2, "evict_first", "evict_first", None, major))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="output tiles < 64 are refused on CUDA (prefill_config)")
+@pytest.mark.parametrize("state_bv", [32, 128])
+def test_prefill_blocked_bf16_layout(poison_empty, state_bv):
+    """The prefill state pass loads / stores the blocked bf16 partition (state tiles narrower and wider
+    than a block) vs the naive reference (prefill -> decode: test_hybrid_state)."""
+    run_prefill(BLOCKED, [1, 70, 64], "0.5", torch.float32, KERNEL_DEVICE,
+                config={"state_bv": state_bv, "output_bv": 64})
+
+
 def decode_rows_are_independent(shape, device):
     """With one launch config, each row's output and state bytes are the same whether it runs alone,
     in a small batch or in a large one: rows never interact (decode_config may pick another tile
@@ -241,7 +274,7 @@ from triton.compiler import ASTSource
 from linrnn_kernels.gdn import decode
 fn = decode._gdn_decode_kernel
 cex = dict(HV=32, GROUP=2, DK=128, DV=128, BV=64, LOAD_EVICT="evict_first", LOAD_CACHE="",
-           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False)
+           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False, BF16_BLOCK=64)
 f32 = ("A_log", "dt_bias", "ssm_f32")
 i32 = ("head_is_bf16", "head_local", "state_indices")
 sig, consts, attrs = {}, {}, {}

@@ -16,7 +16,7 @@ from linrnn_serve.classifier import build_head_map, head_timescales
 from linrnn_serve.config import ModelConfig
 from linrnn_serve.models.loading import load_model
 from linrnn_serve.runner.session import Session
-from test_gdn_kernels import FULL, SMALL, head_map, make_inputs, make_pools, rel_fro, rel_max
+from test_gdn_kernels import BLOCKED, FULL, SMALL, head_map, make_inputs, make_pools, rel_fro, rel_max
 
 # ---- threshold inf == all-f32 engine, byte for byte ---------------------------------------------------
 
@@ -224,6 +224,13 @@ def _prefill_then_decode(shape, lens, n_prefill, kind, dtype, device):
 def test_prefill_then_decode_equals_token_by_token(kind):
     oa, ob, pa, pb = _prefill_then_decode(SMALL, [70, 5, 1], [66, 2, 1], kind, torch.float32, KERNEL_DEVICE)
     _check_paths(oa, ob, pa, pb, kind, exact_dtype=True)
+
+
+def test_prefill_then_decode_blocked_bf16_layout():
+    """Dv = 128: the bf16 partition holds two column blocks per head (linrnn_kernels/gdn/layout.py); the state
+    the prefill writes is the state decode reads."""
+    oa, ob, pa, pb = _prefill_then_decode(BLOCKED, [70, 5, 1], [66, 2, 1], "0.5", torch.float32, KERNEL_DEVICE)
+    _check_paths(oa, ob, pa, pb, "0.5", exact_dtype=True)
 
 
 def _check_paths(oa, ob, pa, pb, kind, exact_dtype):

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# GDN decode, bf16 partition (issue #15 item 4): a device call for the default kernel (repo root as cwd; ~3-4 minutes,
-# timeout_s 300). The kernel before round 2 (main at 7d0ac74, kept as benchmarks/results/kernels/gdn-decode/
-# bf16_round2/variants/decode_before.py.txt) is placed beside it as kernels/gdn/decode_main.py: round 2's persistent
-# bf16 programs measured slower and were removed, so the two must agree bit for bit. Stages, in this order:
-#   check    tools/gdn_bf16_check.py on $CONFIGS: vs the naive reference (NaN-poisoned unused slots must stay NaN)
-#            and vs the old kernel with the same tile / hints, bit for bit (or the largest difference), at
-#            0 / 50 / 100 % f32 heads, B = 1, 8, 64, 256
-#   bench    the gdn-decode registry benchmark (python -m linrnn_bench.kernels.gdn, decode only, no fla peer):
-#            all-f32 / all-bf16 / 50 % f32 at B = 1..256, % of copy of the same run -> $OUT/bf16/default, and the
-#            issue's two kernel target lines (all-bf16 % of copy, 50 % f32 vs all-f32) -> $OUT/bf16/targets.log
+# GDN decode, blocked bf16 state layout (issue #15 item 4, bf16_round3): one device call (repo root as cwd; ~4 minutes,
+# timeout_s 300). The kernels before the layout change (main at c09fc30, kept as benchmarks/results/kernels/gdn-decode/
+# bf16_round3/variants/*_before.py.txt) are placed beside the current ones as
+# kernels/gdn/{decode,prefill,common}_main.py. Stages, in this order:
+#   check    tools/gdn_bf16_check.py on $CONFIGS: decode (0 / 50 / 100 % f32 heads, B = 1, 8, 64, 256) and prefill
+#            (varlen) vs the naive reference (NaN-poisoned unused slots must stay NaN) and vs the old kernels with the
+#            same tiles, bit for bit (only addresses changed: all-f32 must be bit-identical, and so must bf16 heads)
+#   bench    the gdn-decode registry benchmark (python -m linrnn_bench.kernels.gdn, decode only, no fla peer),
+#            all-f32 / all-bf16 / 50 % f32 at B = 1..256, % of copy of the same run, for the new kernel
+#            (-> $OUT/bf16/default) and then the code before (-> $OUT/bf16/old: its kernels, naive reference and
+#            benchmark swapped in, then restored), and the issue's two kernel target lines
+#            for both (all-bf16 % of copy, 50 % f32 vs all-f32) -> $OUT/bf16/targets.log
 #   engine   bench batched, 35B-A3B NVFP4 dummy, f32 state vs ssm-bf16-tau=16 in one run, npl 64 and 128
-#   blocked  tools/gdn_blocked_probe.py: the blocked state layout experiment (kernels/gdn/decode_blocked.py, per head
-#            [Dv / W, Dk, W]) vs the current kernel: correctness (naive reference, bit for bit vs current) and timing
-#            at 0 / 50 / 100 % f32 heads, B = 64, 128, 256, 1, 8, 32 -> $OUT/bf16/blocked (~4 minutes alone)
-#   tests    pytest -k "gpu_decode or partition_major" (compiled kernels vs the naive reference at 35B-A3B shapes)
+#   tests    pytest -m gpu on the GDN kernel and hybrid-state tests (compiled kernels vs the naive reference at 35B-A3B
+#            shapes, prefill -> decode continuity, rows independent)
 # Prints the tables; everything lands under $OUT/bf16.
 #   bash tools/gpu_gdn_bf16.sh [check,bench,engine,tests]
 . tools/device_env.sh >/dev/null
@@ -21,8 +21,12 @@ STAGES=${1:-check,bench,engine,tests}
 R=${OUT:-/tmp/out}/bf16
 mkdir -p $R
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
-[ -f kernels/gdn/decode_main.py ] || cp benchmarks/results/kernels/gdn-decode/bf16_round2/variants/decode_before.py.txt \
-  kernels/gdn/decode_main.py
+V=benchmarks/results/kernels/gdn-decode/bf16_round3/variants
+for m in decode prefill common; do
+  sed 's/linrnn_kernels.gdn.common import/linrnn_kernels.gdn.common_main import/' $V/${m}_before.py.txt > kernels/gdn/${m}_main.py
+done
+# the old decode kernel runs on the current check_pools / head_state_offset (the state content is in its layout)
+sed -i 's/linrnn_kernels.gdn.common_main import/linrnn_kernels.gdn.common import/' kernels/gdn/decode_main.py
 CONFIGS=${CONFIGS:-"[None, (64, 4, 'evict_first', 'evict_first'), (32, 2, 'evict_first', 'evict_first')]"}
 GDN="python3 -m linrnn_bench.kernels.gdn --prefill '' --no-peer --hybrid 0.5 --batches 1,8,32,64,128,256"
 if has check; then
@@ -34,9 +38,16 @@ fi
 if has bench; then
   eval timeout 50 $GDN --out $R/default 2>&1 | grep -vE "Warning|warn" | grep -E "^\| [0-9]|copy bandwidth|FAIL|Error" \
     | tee $R/default.log
+  # the same benchmark on the code before the layout change (kernels, naive reference, benchmark), then restored
+  OLD="kernels/gdn/decode.py kernels/gdn/prefill.py kernels/gdn/common.py kernels/gdn/naive.py benchmarks/kernels/gdn.py"
+  mkdir -p /tmp/gdn_new && for f in $OLD; do cp $f /tmp/gdn_new/$(basename $f); done
+  for f in $OLD; do b=$(basename $f .py); cp $V/$([ $b = gdn ] && echo bench_gdn || echo $b)_before.py.txt $f; done
+  eval timeout 50 $GDN --out $R/old 2>&1 | grep -vE "Warning|warn" | grep -E "^\| [0-9]|copy bandwidth|FAIL|Error" \
+    | tee $R/old.log
+  for f in $OLD; do cp /tmp/gdn_new/$(basename $f) $f; done
   python3 - $R <<'PY' 2>&1 | tee $R/targets.log
 import json, os, sys
-runs = {n: json.load(open(p)) for n in ("default",)
+runs = {n: json.load(open(p)) for n in ("default", "old")
         if os.path.exists(p := os.path.join(sys.argv[1], n, "gdn_decode.json"))}
 for n, res in runs.items():
     for row in res["decode"]:
@@ -58,15 +69,8 @@ if has engine; then
     --config 'model=qwen35moe-nvfp4,ssm-bf16-tau=16,label=nvfp4 tau=16' --no-progress --out $R/batched 2>&1 \
     | grep -vE "Warning|warn" | tee $R/batched.log | tail -12
 fi
-if has blocked; then
-  timeout ${BLOCKED_TIMEOUT:-270} python3 tools/gdn_blocked_probe.py --out $R/blocked 2>&1 | grep -vE "Warning|warn" \
-    > $R/blocked.log
-  grep -vE "^ok " $R/blocked.log
-  echo "blocked check: $(grep -c '^ok' $R/blocked.log) ok, $(grep -c '^FAIL' $R/blocked.log) FAIL," \
-    "$(grep -c 'bit: True' $R/blocked.log) bit-identical to the current kernel"
-fi
-rm -f kernels/gdn/decode_main.py
+rm -f kernels/gdn/{decode,prefill,common}_main.py
 if has tests; then
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernels.py \
-    -k "gpu_decode or partition_major" -n 4 2>&1 | tail -3 | tee $R/tests.log
+  timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gdn_kernels.py \
+    tests/test_hybrid_state.py -n 4 2>&1 | tail -3 | tee $R/tests.log
 fi

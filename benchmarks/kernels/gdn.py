@@ -40,6 +40,7 @@ import types
 import torch
 
 from linrnn_bench.kernels.common import copy_bandwidth_gbs, env_info, time_graph
+from linrnn_kernels.gdn.layout import bf16_pool_shape
 
 HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4
 C = 2 * HK * DK + HV * DV
@@ -106,7 +107,7 @@ def make_pools(mask: list[bool], slots: int, device=None):
         local.append(cb if is_b else cf)
         cb, cf = cb + is_b, cf + (not is_b)
     f32 = 0.3 * torch.randn(slots, HV - nb, DK, DV, device=device)
-    bf = (0.3 * torch.randn(slots, nb, DK, DV, device=device)).to(torch.bfloat16)
+    bf = (0.3 * torch.randn(bf16_pool_shape(slots, nb, DK, DV), device=device)).to(torch.bfloat16)
     return (f32, bf, torch.tensor(mask, dtype=torch.int32, device=device),
             torch.tensor(local, dtype=torch.int32, device=device))
 

@@ -3,6 +3,7 @@
 Triton kernels (decode.py, prefill.py, conv.py) for CUDA tensors, the naive reference (naive.py)
 otherwise or inside linrnn_kernels.dispatch.reference_ops(). Signatures are those of naive.py.
 Under TRITON_INTERPRET=1 (CPU tests) call the kernel modules directly.
+State pools: f32 heads [slots, H_f32, Dk, Dv], bf16 heads [slots, H_bf16, Dv / 64, Dk, 64] (layout.py).
 """
 from linrnn_kernels.dispatch import use_triton
 from linrnn_kernels.gdn import conv as _conv

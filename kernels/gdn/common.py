@@ -1,5 +1,5 @@
 """Pieces shared by the Gated-DeltaNet Triton kernels: gates (SPEC §1.5 step 4), hybrid-pool state
-access (per-head partition, runtime dtype branch), launcher-side input checks."""
+access (per-head partition, runtime dtype branch, each partition's layout: layout.py), launcher-side input checks."""
 from __future__ import annotations
 
 import functools
@@ -8,6 +8,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from linrnn_kernels.gdn.layout import bf16_pool_shape
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -45,22 +47,60 @@ def head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stri
 
 
 @triton.jit
-def load_state(ssm_f32, ssm_bf16, is_bf16, base, offs, EVICT: tl.constexpr, CACHE: tl.constexpr):
-    """One head's state tile from its partition, in f32 (either dtype in, f32 registers out).
+def state_tile_base(i_v, BV: tl.constexpr, DK: tl.constexpr, BLOCK: tl.constexpr):
+    """Element offset of the [DK, BV] tile i_v (columns i_v * BV ..) within one head's state stored
+    [DV / BLOCK, DK, BLOCK] (the bf16 partition, layout.py); add state_tile_offsets(.., BLOCK) to it."""
+    if BV <= BLOCK:
+        # a [DK, BV] piece of block i_v // (BLOCK // BV): rows BLOCK apart, one contiguous run if BV == BLOCK
+        NSUB: tl.constexpr = BLOCK // BV
+        tile = (i_v // NSUB).to(tl.int64) * (DK * BLOCK) + (i_v % NSUB) * BV
+    else:
+        # BV // BLOCK adjacent whole blocks: one contiguous DK * BV run
+        tile = i_v.to(tl.int64) * (DK * BV)
+    return tile
+
+
+@triton.jit
+def state_tile_offsets(i_v, BV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr):
+    """[DK, BV] element offsets of tile i_v of one head's state: BLOCK = 0, the head is [DK, DV] (the f32
+    partition; the whole offset, the expression the kernels used before the blocked layout, so they compile
+    as before); else relative to state_tile_base (the bf16 partition, [DV / BLOCK, DK, BLOCK])."""
+    o_k = tl.arange(0, DK)
+    j = tl.arange(0, BV)
+    if BLOCK == 0:
+        offs = o_k[:, None] * DV + (i_v * BV + j)[None, :]
+    elif BV <= BLOCK:
+        offs = o_k[:, None] * BLOCK + j[None, :]
+    else:
+        offs = (j // BLOCK)[None, :] * (DK * BLOCK) + o_k[:, None] * BLOCK + (j % BLOCK)[None, :]
+    return offs
+
+
+@triton.jit
+def load_state(ssm_f32, ssm_bf16, is_bf16, base, i_v, BV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BF16_BLOCK: tl.constexpr, EVICT: tl.constexpr, CACHE: tl.constexpr):
+    """Tile i_v ([DK, BV]) of one head's state from its partition, in f32 (either dtype in, f32 registers out).
     EVICT / CACHE: L2 eviction policy and PTX cache operator ("" = defaults)."""
     if is_bf16 != 0:
-        s = tl.load(ssm_bf16 + base + offs, eviction_policy=EVICT, cache_modifier=CACHE).to(tl.float32)
+        ptr = ssm_bf16 + (base + state_tile_base(i_v, BV, DK, BF16_BLOCK)) + state_tile_offsets(i_v, BV, DK, DV,
+                                                                                                  BF16_BLOCK)
+        s = tl.load(ptr, eviction_policy=EVICT, cache_modifier=CACHE).to(tl.float32)
     else:
+        offs = state_tile_offsets(i_v, BV, DK, DV, 0)
         s = tl.load(ssm_f32 + base + offs, eviction_policy=EVICT, cache_modifier=CACHE)
     return s
 
 
 @triton.jit
-def store_state(ssm_f32, ssm_bf16, is_bf16, base, offs, s, EVICT: tl.constexpr, CACHE: tl.constexpr):
-    """Store an f32 state tile back in its partition's dtype (round-to-nearest-even for bf16)."""
+def store_state(ssm_f32, ssm_bf16, is_bf16, base, i_v, s, BV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                BF16_BLOCK: tl.constexpr, EVICT: tl.constexpr, CACHE: tl.constexpr):
+    """Store an f32 state tile back in its partition's dtype and layout (round-to-nearest-even for bf16)."""
     if is_bf16 != 0:
-        tl.store(ssm_bf16 + base + offs, s.to(tl.bfloat16), eviction_policy=EVICT, cache_modifier=CACHE)
+        ptr = ssm_bf16 + (base + state_tile_base(i_v, BV, DK, BF16_BLOCK)) + state_tile_offsets(i_v, BV, DK, DV,
+                                                                                                  BF16_BLOCK)
+        tl.store(ptr, s.to(tl.bfloat16), eviction_policy=EVICT, cache_modifier=CACHE)
     else:
+        offs = state_tile_offsets(i_v, BV, DK, DV, 0)
         tl.store(ssm_f32 + base + offs, s, eviction_policy=EVICT, cache_modifier=CACHE)
 
 
@@ -70,9 +110,11 @@ def store_state(ssm_f32, ssm_bf16, is_bf16, base, offs, s, EVICT: tl.constexpr, 
 def check_pools(ssm_f32, ssm_bf16, head_is_bf16, head_local, Hv: int, Dk: int, Dv: int):
     if ssm_f32.dtype != torch.float32 or ssm_bf16.dtype != torch.bfloat16:
         raise TypeError(f"state pools must be float32 / bfloat16, got {ssm_f32.dtype} / {ssm_bf16.dtype}")
-    for name, p in (("ssm_f32", ssm_f32), ("ssm_bf16", ssm_bf16)):
-        if p.dim() != 4 or tuple(p.shape[2:]) != (Dk, Dv):
-            raise ValueError(f"{name} must be [slots, heads, {Dk}, {Dv}] ([Dk, Dv] per head), got {tuple(p.shape)}")
+    bf16_head = bf16_pool_shape(0, 0, Dk, Dv)[2:]
+    for name, p, per_head in (("ssm_f32", ssm_f32, (Dk, Dv)), ("ssm_bf16", ssm_bf16, bf16_head)):
+        if p.dim() != 2 + len(per_head) or tuple(p.shape[2:]) != per_head:
+            raise ValueError(f"{name} must be [slots, heads, {', '.join(map(str, per_head))}] per head "
+                             f"(kernels/gdn/layout.py), got {tuple(p.shape)}")
         if p.shape[1] and not p[0].is_contiguous():
             raise ValueError(f"{name} must be contiguous within a slot (strides {p.stride()})")
     if ssm_f32.shape[1] + ssm_bf16.shape[1] != Hv:

@@ -5,6 +5,7 @@ then with the [Dk, BV] state tile in f32 registers
     S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
 The state tile is read from the head's partition (f32 or bf16, runtime branch on head_is_bf16[h])
 and written back in place in that dtype through state_indices; padded rows index the dummy slot 0.
+Each partition has its layout (layout.py): f32 heads [Dk, Dv], bf16 heads [Dv / 64, Dk, 64] (blocked).
 
 Bandwidth design: the state is read and written exactly once (B x Hv x Dk x Dv x 4 B each way for
 f32 heads dominates everything else) with an evict-first L2 hint, each row of a tile is BV contiguous
@@ -15,16 +16,18 @@ its store, and the q/k norms are applied after the reductions, so all sums over 
 rounds (issue #4: 80 -> 85 % of copy bandwidth at B = 64, benchmarks/results/kernels/gdn-decode/).
 
 Program order: with one partition (all f32 at tau = inf, or all bf16) the programs run (row, natural
-head, Dv tile) and find the tile through the head map (compiled, this path is the kernel before issue #15
-instruction for instruction). With both partitions the grid is partition-major: all f32 tiles first,
+head, Dv tile) and find the tile through the head map. With both partitions the grid is partition-major: all f32 tiles first,
 then all bf16 tiles, each program finding its natural head (for q/k/v/gates) by inverting the head map;
 the tile math is the same code in both orders, so every row's bits are too. Measured on an H200 at 50 %
 f32 heads, B = 128: 114.4 instead of 118.1 us per layer call (84.2 vs 81.5 % of copy bandwidth). The Dv
 tiles of a head stay adjacent in the order: reading the two halves of each state row far apart in time
-costs 6-8 points of bandwidth (DRAM pages reopened). The bf16 partition itself stays at ~77 % of copy
-(all-f32: ~90 %); benchmarks/results/kernels/gdn-decode/bf16_round/ records the variants tried against it,
-bf16_round2/ the persistent bf16 programs with the next tiles in flight (a register double buffer, a TMA
-pipeline): both slower on the H200 (TMA: 54.9-64.1 % of copy all-bf16 at B = 64-256), removed.
+costs 6-8 points of bandwidth (DRAM pages reopened). The same holds within a bf16 program: with [Dk, Dv]
+heads its [Dk, 64] tile was 128 pieces of 128 B strided 256 B apart (72 / 79 / 80 % of copy all-bf16 at B = 64 /
+128 / 256, all-f32 ~90 %); the blocked bf16 layout makes it one contiguous 16 KB run: 77 / 84 / 87 % (H200,
+benchmarks/results/kernels/gdn-decode/bf16_round3/; the same addressing measured 1.5-2 points slower for f32
+heads, which keep [Dk, Dv]). bf16_round/ records the other variants tried against the bf16 partition, bf16_round2/
+the persistent bf16 programs with the next tiles in flight (a register double buffer, a TMA pipeline): both
+slower on the H200 (TMA: 54.9-64.1 % of copy all-bf16 at B = 64-256), removed.
 """
 from __future__ import annotations
 
@@ -40,7 +43,10 @@ from linrnn_kernels.gdn.common import (
     head_state_offset,
     num_sms,
     rows_view,
+    state_tile_base,
+    state_tile_offsets,
 )
+from linrnn_kernels.gdn.layout import bf16_block
 
 
 class DecodeConfig(NamedTuple):
@@ -67,19 +73,24 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, v0,
+def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i_v,
                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                  stride_a_tok, stride_b_tok, scale,
-                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr,
                  LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
                  STORE_CACHE: tl.constexpr):
-    """One [DK, BV] state tile of head i_h (columns v0..v0+BV) of one partition pool, updated in place."""
+    """One [DK, BV] state tile of head i_h (columns i_v * BV ..) of one partition pool, updated in place;
+    BLOCK: the pool's layout (0: [DK, DV] per head, f32; else [DV / BLOCK, DK, BLOCK], bf16)."""
     o_k = tl.arange(0, DK)
-    o_v = v0 + tl.arange(0, BV)
+    o_v = i_v * BV + tl.arange(0, BV)
+    offs = state_tile_offsets(i_v, BV, DK, DV, BLOCK)
+    if BLOCK != 0:
+        base = base + state_tile_base(i_v, BV, DK, BLOCK)
     # 4 elements per thread: f32 tiles take 16 B in both directions (bf16 8 B), so an f32 tile never changes
     # register layout between its load and its store (Triton gives a load the widest vector of any
-    # same-shaped access but caps stores at 16 B; a mismatch sent f32 tiles through shared memory)
-    offs = tl.max_contiguous(o_k[:, None] * DV + o_v[None, :], [1, 4])
+    # same-shaped access but caps stores at 16 B; a mismatch sent f32 tiles through shared memory). 16-byte bf16
+    # accesses measured slower in both layouts (bf16_round/, bf16_round3/)
+    offs = tl.max_contiguous(offs, [1, 4])
     s = tl.load(pool + base + offs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE).to(tl.float32)
 
     b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
@@ -122,8 +133,8 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
                        head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
                        stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                       LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
-                       STORE_CACHE: tl.constexpr):
+                       BF16_BLOCK: tl.constexpr, LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr,
+                       STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
     """Program p of one partition (B x n_heads x Dv tiles, Dv tiles fastest): the tile's address needs only
     the slot; the natural head (for q/k/v/gates) comes from the head map in parallel."""
     NV: tl.constexpr = DV // BV
@@ -133,10 +144,10 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
     i_b = (r // n_heads).to(tl.int64)
     base = tl.load(state_indices + i_b).to(tl.int64) * stride_slot + j.to(tl.int64) * (DK * DV)
     i_h = _natural_head(head_is_bf16, head_local, j, IS_BF16, HV)
-    _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v * BV,
+    _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                 stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                 STORE_CACHE)
+                 stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK if IS_BF16 else 0, LOAD_EVICT,
+                 LOAD_CACHE, STORE_EVICT, STORE_CACHE)
 
 
 @triton.jit
@@ -147,7 +158,7 @@ def _gdn_decode_kernel(
     stride_a_tok, stride_b_tok, stride_f32_slot, stride_bf16_slot,
     n_f32_heads, n_bf16_heads, n_f32_programs, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    PARTITION_MAJOR: tl.constexpr,
+    PARTITION_MAJOR: tl.constexpr, BF16_BLOCK: tl.constexpr,
     LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
@@ -159,12 +170,13 @@ def _gdn_decode_kernel(
             _partition_program(pid, n_f32_heads, stride_f32_slot, ssm_f32, False, q, k, v, a, b, A_log, dt_bias, o,
                                head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
                                stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale, HV, GROUP,
-                               DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
+                               DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
         else:
             _partition_program(pid - n_f32_programs, n_bf16_heads, stride_bf16_slot, ssm_bf16, True, q, k, v, a, b,
                                A_log, dt_bias, o, head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head,
                                stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
-                               scale, HV, GROUP, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
+                               scale, HV, GROUP, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
+                               STORE_CACHE)
     else:
         i_v = pid % NV
         i_bh = pid // NV
@@ -176,14 +188,14 @@ def _gdn_decode_kernel(
         is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
                                           DK, DV)
         if is_bf16 != 0:
-            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v * BV,
+            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                         STORE_CACHE)
+                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
+                         STORE_EVICT, STORE_CACHE)
         else:
-            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v * BV,
+            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
+                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, 0, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
                          STORE_CACHE)
 
 
@@ -239,7 +251,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
         nf, nb, B * nf * nv, Dk ** -0.5,
-        HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major,
+        HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major, BF16_BLOCK=bf16_block(Dv),
         **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return o

@@ -4,13 +4,16 @@ Shapes (one flattened varlen batch of T tokens, B sequences):
   q, k  [T, Hk, Dk]   post-conv query/key (not yet L2-normalised)
   v     [T, Hv, Dv]   post-conv value; value head h uses key head h // (Hv // Hk) (SPEC §1.5.6)
   a, b  [T, Hv]       decay input and beta logits
-  state orientation [Dk, Dv] per head (transformers / fla), f32 arithmetic throughout.
+  state orientation [Dk, Dv] per head (transformers / fla), f32 arithmetic throughout; the pools hold
+  it in each partition's layout (layout.py: the bf16 partition blocked), converted at gather / scatter.
 Pools are the hybrid per-head partitions described in linrnn_serve/batch.py::GDNLayerState.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from linrnn_kernels.gdn.layout import from_bf16_blocked, to_bf16_blocked
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -92,23 +95,24 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, scale, chunk_size: int = 64)
 
 
 def gather_states(ssm_f32, ssm_bf16, head_is_bf16, head_local, slots) -> torch.Tensor:
-    """Read full f32 states [B, Hv, Dk, Dv] for `slots` from the two partitions."""
+    """Read full f32 states [B, Hv, Dk, Dv] for `slots` from the two partitions (the bf16 one converted
+    from its blocked layout, layout.py)."""
     slots = slots.long()
     is_b = head_is_bf16.bool()
     loc = head_local.long()
     Hv = head_is_bf16.numel()
-    part = ssm_f32 if ssm_f32.shape[1] else ssm_bf16
-    out = torch.empty(slots.numel(), Hv, *part.shape[2:], dtype=torch.float32, device=part.device)
+    nb, dk, w = ssm_bf16.shape[2:]
+    out = torch.empty(slots.numel(), Hv, dk, nb * w, dtype=torch.float32, device=ssm_f32.device)
     fh, bh = (~is_b).nonzero().flatten(), is_b.nonzero().flatten()
     if fh.numel():
         out[:, fh] = ssm_f32[slots][:, loc[fh]]
     if bh.numel():
-        out[:, bh] = ssm_bf16[slots][:, loc[bh]].float()
+        out[:, bh] = from_bf16_blocked(ssm_bf16[slots][:, loc[bh]]).float()
     return out
 
 
 def scatter_states(states, ssm_f32, ssm_bf16, head_is_bf16, head_local, slots) -> None:
-    """Write f32 states [B, Hv, Dk, Dv] back into each head's partition (cast to its dtype)."""
+    """Write f32 states [B, Hv, Dk, Dv] back into each head's partition (cast to its dtype and layout)."""
     slots = slots.long()
     is_b = head_is_bf16.bool()
     loc = head_local.long()
@@ -116,7 +120,7 @@ def scatter_states(states, ssm_f32, ssm_bf16, head_is_bf16, head_local, slots) -
     if fh.numel():
         ssm_f32[slots[:, None], loc[fh][None, :]] = states[:, fh].to(ssm_f32.dtype)
     if bh.numel():
-        ssm_bf16[slots[:, None], loc[bh][None, :]] = states[:, bh].to(ssm_bf16.dtype)
+        ssm_bf16[slots[:, None], loc[bh][None, :]] = to_bf16_blocked(states[:, bh].to(ssm_bf16.dtype))
 
 
 # ---- layer-level ops (the signatures the Triton kernels implement) ------------------------------

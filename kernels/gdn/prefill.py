@@ -17,8 +17,9 @@ Three launches (same split as flash-linear-attention, our own kernels):
      near-parallel keys, where a Neumann/doubling inverse cancels catastrophically), merged by
      block formulas.
   2. _chunk_state_kernel  (sequence x value head x Dv tile, sequential over chunks): loads the pooled
-     state (f32 or bf16 partition), stores each chunk's start state H_c and V', writes the final state
-     back into the head's partition. This is the only sequential part, kept to two matmuls per chunk.
+     state (f32 or bf16 partition, each in its layout: layout.py), stores each chunk's start state H_c
+     ([Dk, Dv] scratch) and V', writes the final state back into the head's partition. This is the only
+     sequential part, kept to two matmuls per chunk.
   3. _chunk_output_kernel (chunk x value head x Dv tile, parallel): O from H_c and V'.
 
 Precision modes (`precision`, or LINRNN_GDN_PREFILL_PRECISION):
@@ -43,6 +44,7 @@ import triton.language as tl
 from linrnn_kernels.gdn.common import (
     INTERPRET, check_pools, check_qkv, gates, head_state_offset, load_state, num_sms, rows_view, store_state,
 )
+from linrnn_kernels.gdn.layout import bf16_block
 
 BT = 64  # chunk length
 BC = 16  # diagonal block of the triangular solve
@@ -240,7 +242,7 @@ def _chunk_state_kernel(
     h_out, vnew_out,
     stride_k_tok, stride_k_head, stride_f32_slot, stride_bf16_slot,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr, BF16_BLOCK: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
     pid = tl.program_id(0)
@@ -259,9 +261,9 @@ def _chunk_state_kernel(
     o_k = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
-    offs = o_k[:, None] * DV + o_v[None, :]
+    offs = o_k[:, None] * DV + o_v[None, :]  # of the per-chunk states h ([Dk, Dv] per head)
     is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot, DK, DV)
-    s = load_state(ssm_f32, ssm_bf16, is_bf16, base, offs, "", "")
+    s = load_state(ssm_f32, ssm_bf16, is_bf16, base, i_v, BV, DK, DV, BF16_BLOCK, "", "")
 
     for c in range(tl.cdiv(eos - bos, BT)):
         t = bos + c * BT + o_t
@@ -280,7 +282,7 @@ def _chunk_state_kernel(
         row_scale = tl.where(m_t, _rnorm(b_k) * tl.exp(g_last - b_gc), 0.0)
         s = s * tl.exp(g_last) + _mm(tl.trans(b_k), v_new * row_scale[:, None], DOT_BF16, PREC)
 
-    store_state(ssm_f32, ssm_bf16, is_bf16, base, offs, s, "", "")
+    store_state(ssm_f32, ssm_bf16, is_bf16, base, i_v, s, BV, DK, DV, BF16_BLOCK, "", "")
 
 
 # ---- 3. outputs (parallel over chunks) ------------------------------------------------------------------
@@ -416,7 +418,8 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, cu_seqlens, ssm_f32, ssm_bf16, he
     _chunk_state_kernel[(B * Hv * (Dv // cfg["state_bv"]),)](
         k, w, u, gc, cu_seqlens, offsets, state_indices, ssm_f32, ssm_bf16, head_is_bf16, head_local, h, v_new,
         k.stride(0), k.stride(1), ssm_f32.stride(0), ssm_bf16.stride(0),
-        BV=cfg["state_bv"], BT=BT, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"], **common)
+        BV=cfg["state_bv"], BT=BT, BF16_BLOCK=bf16_block(Dv), num_warps=cfg["state_warps"],
+        num_stages=cfg["state_stages"], **common)
     if T:
         _chunk_output_kernel[(N, Hv * (Dv // cfg["output_bv"]))](
             q, k, gc, h, v_new, cu_seqlens, chunk_seq, chunk_t0, o,

@@ -2,11 +2,12 @@
 
 Per GDN layer n:
   ssm_f32[n]  [slots, H_f32(n),  Dk, Dv] float32
-  ssm_bf16[n] [slots, H_bf16(n), Dk, Dv] bfloat16
+  ssm_bf16[n] [slots, H_bf16(n), Dv / W, Dk, W] bfloat16 (W = 64: blocked, linrnn_kernels/gdn/layout.py)
   head_is_bf16[n], head_local[n]  [Hv] int32: natural head h -> (partition, index in partition)
   conv[n]     [slots, K-1, conv_dim] in the activation dtype
-State orientation [Dk, Dv] everywhere (transformers / fla). Slot 0 is the dummy that padded rows
-write to; live sequences get slots 1..max_num_seqs from a SlotAllocator.
+State orientation [Dk, Dv] everywhere (transformers / fla); the bf16 partition stores each head's
+[Dk, Dv] as Dv / W column blocks [Dk, W], so a decode tile of W columns is one contiguous run. Slot 0
+is the dummy that padded rows write to; live sequences get slots 1..max_num_seqs from a SlotAllocator.
 
 With every head in f32 (tau threshold inf) the bf16 partitions are empty and the pool is exactly an
 all-f32 pool: the same kernels run with the same inputs, so outputs are bit-identical.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from linrnn_kernels.gdn.layout import bf16_pool_shape
 from linrnn_serve.batch import GDNLayerState
 from linrnn_serve.config import ModelConfig
 
@@ -37,7 +39,8 @@ class HybridStateCache:
                 local.append(nb if is_b else nf)
                 nb, nf = nb + is_b, nf + (not is_b)
             self.ssm_f32.append(torch.zeros(num_slots, nf, dk, dv, dtype=torch.float32, device=device))
-            self.ssm_bf16.append(torch.zeros(num_slots, nb, dk, dv, dtype=torch.bfloat16, device=device))
+            self.ssm_bf16.append(torch.zeros(bf16_pool_shape(num_slots, nb, dk, dv), dtype=torch.bfloat16,
+                                             device=device))
             self.head_is_bf16.append(torch.tensor(m, dtype=torch.int32, device=device))
             self.head_local.append(torch.tensor(local, dtype=torch.int32, device=device))
         K = cfg.linear_conv_kernel_dim
