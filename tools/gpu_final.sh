@@ -6,6 +6,8 @@
 #                               # vs vLLM 0.26, profiles at npl 1 / 128); grammar-mask cost at npl 32
 #   bash tools/gpu_final.sh B   # ~5 min: serving through the engine-core process (c = 1, 64); prefix-caching
 #                               # benefit (multi-turn on / off)
+#   bash tools/gpu_final.sh AG  # A, then the GDN decode kernels vs the code before the blocked bf16 layout (gpu_gdn_bf16.sh
+#                               # check,bench: bit-identity and the registry benchmark, old and new in one run)
 #   bash tools/gpu_final.sh H   # ~1 min: the CPU host-overhead benchmark (stubbed forward, no GPU) on this
 #                               # machine's 16 cores, where the core, the API server and 128 clients each get one
 # Results under $OUT (tarballs + short tables).
@@ -83,4 +85,6 @@ case "${1:-A}" in
   A) part_a ;;
   B) part_b ;;
   H) part_h ;;
+  AG) part_a; OUT=$R bash tools/gpu_gdn_bf16.sh check,bench; el "gdn done"; rm -f $OUT/final_a.tgz
+      tar czf $OUT/final_ag.tgz -C /tmp final ;;
 esac
