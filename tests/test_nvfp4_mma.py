@@ -186,6 +186,7 @@ def test_split_k_fills_sms():
     assert nvfp4_mma.split_k(32, 256 * 16, 132) == 1
     assert nvfp4_mma.units_per_step(8, 2) == 4 and nvfp4_mma.units_per_step(8, 4) == 2
     assert nvfp4_mma.DEFAULT_UNITS == 1 and nvfp4_mma.DEFAULT_PREFETCH
+    assert experts.mma_tokens(8 * 256 - 1, 256) == 8 and experts.mma_tokens(8 * 256, 256) == 16  # B = 256 at top-8
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only selection")

@@ -17,7 +17,7 @@ python3 -c "import triton; print('triton', triton.__version__)"
 timeout ${T_TESTS:-110} python3 -m pytest -q -m gpu tests/test_nvfp4_mma.py tests/test_nvfp4_wgmma.py -p no:cacheprovider \
   --junitxml=$R/test_nvfp4_mma_wgmma_gpu.xml 2>&1 | grep -vE "leaked|nanobind|^ - " | tail -12
 timeout ${T_BENCH:-170} python3 -m linrnn_bench.kernels.moe --variants nvfp4/mma,nvfp4/asm,bf16/ours \
-  --sets 3 --rep ${REP:-100} --profile --mma-sweep --mma-candidates "${CANDIDATES:-default,16-token blocks}" \
+  --sets 3 --rep ${REP:-100} --profile --mma-sweep --mma-candidates "${CANDIDATES:-default,8-token blocks,16-token blocks,hint none,2 units per step}" \
   --out $R 2>&1 | grep -vE "leaked|nanobind|^ - |Warning|warn|^\{|^profile|^mma sweep" | tail -40
 timeout ${T_ENGINE:-60} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$R/test_engine_graphs_gpu.xml \
   "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[1]" "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[64]" \

@@ -410,7 +410,8 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
 
 # ------------------------------------------------------------------------ MMA sweep / profile
 
-# moe_experts_mma options per candidate, over the default (8-token blocks, 4 warps, 1 unit per step with
+# moe_experts_mma options per candidate, over the default (8-token blocks, 16 from experts.MMA_16_MIN_MEAN_PAIRS
+# pairs per expert, 4 warps, 1 unit per step with
 # the next step prefetched, split-K to 2 programs per SM, gate_up's split-K reduced by its last split,
 # evict-first weight loads, CTA order by batch: experts.N_FASTEST_MAX_MEAN_PAIRS)
 MMA_CANDIDATES = {
@@ -419,6 +420,8 @@ MMA_CANDIDATES = {
     "split to 4/SM": {"per_sm": 4},
     "separate SiLU reduce": {"fused_reduce": False},
     "16-token blocks": {"tokens": 16},
+    "8-token blocks": {"tokens": 8},
+    "2 units per step": {"units": 2},
     "row tiles of a block together": {"n_fastest": True},
     "one row tile of every block first": {"n_fastest": False},
     "persistent (both GEMMs, one launch)": {"persistent": True},

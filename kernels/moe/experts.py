@@ -256,10 +256,16 @@ def alignment_block_m(x: torch.Tensor, top_k: int, w13: WeightTensor, w2: Weight
 N_FASTEST_MAX_MEAN_PAIRS = 4
 
 
+# From this mean number of (token, expert) pairs per expert the MMA kernel takes 16-token expert blocks (an expert
+# with 9-16 tokens decodes its weights once, not twice; 62 registers, 2.78 SASS instructions per weight against
+# 48 / 2.41 at 8 tokens). H200, one 35B-A3B layer (benchmarks/results/kernels/moe/round3/): 16 vs 8 tokens
+# 189.9 vs 197.3 us at B = 256 (8 pairs per expert), 178.0 vs 165.3 at B = 128 (4), slower below
+MMA_16_MIN_MEAN_PAIRS = 8
+
+
 def mma_tokens(num_pairs: int, num_experts: int) -> int:
-    """Tokens per expert block. 16-token blocks (one decode for experts with 9-16 tokens) measured
-    slower than 8 at every batch on the H200 (79 vs 56 registers; results/kernels/moe), so 8."""
-    return 8
+    """Tokens per expert block of the MMA kernel: 8, or 16 from MMA_16_MIN_MEAN_PAIRS pairs per expert."""
+    return 16 if num_pairs >= MMA_16_MIN_MEAN_PAIRS * num_experts else 8
 
 
 def mma_splits(num_pairs: int, p13, p2, num_sms: int, warps: int = 4, groups: tuple[int, int] = (1, 1),
@@ -293,7 +299,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     if out is None:
         out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     P = T * top_k
-    tokens = tokens or mma_tokens(P, E)
+    tokens = tokens or (8 if persistent else mma_tokens(P, E))  # the persistent kernel: 8 (compile-tested)
     sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
     if splits is None:
