@@ -276,6 +276,25 @@ def test_mma_per_expert_loads(nan_buffers):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [8, 64, 256])
+def test_mma_tiles_bitwise_equal(nan_buffers, B):
+    """Every tile shape runs the same MMAs in the same k order per token column: 8- and 16-token blocks, 1 / 2 / 4
+    units per K step, with and without the prefetch give the same bits (and the oracle within tolerance)."""
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda", seed=6)
+    x = torch.randn(B, H, device="cuda").bfloat16()
+    topw, ids = naive.route(x.float() @ (torch.randn(E, H, device="cuda") * 0.02).t(), k, True)
+    topw = topw.bfloat16()
+    y0 = _check(x, topw, ids, w13, w2)
+    for tokens in (8, 16):
+        for units in (1, 2, 4):
+            for prefetch in (True, False):
+                y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, units=units,
+                                            prefetch=prefetch)
+                assert torch.equal(y, y0), (tokens, units, prefetch)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 64, 256])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_mma_bitwise_reproducible_and_graphs(B, persistent):

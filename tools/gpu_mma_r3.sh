@@ -8,7 +8,8 @@
 #      instructions per weight beside each row, per-kernel profile (routed-GEMM % of copy), the 8- vs 16-token tile
 #   3. the engine's graphs-on == graphs-off greedy test on NVFP4 A3B-shaped models (B = 1, 64)
 # Pass the real commit: LINRNN_COMMIT=<sha> bash tools/gpu_mma_r3.sh. Results under $OUT/mma_r3.
-# Env: T_TESTS / T_BENCH / T_ENGINE (stage timeouts, s), REP (do_bench ms), CANDIDATES (MMA sweep keys, comma-separated).
+# Env: T_TESTS / T_BENCH / T_ENGINE (stage timeouts, s), REP (do_bench ms), CANDIDATES (MMA sweep keys, comma-separated),
+# CHECKPOINT_TESTS=1 (also the NVFP4 checkpoint GPU tests, ModelOpt and compressed-tensors, on the MMA path).
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}
 R=$OUT/mma_r3
@@ -22,3 +23,7 @@ timeout ${T_BENCH:-170} python3 -m linrnn_bench.kernels.moe --variants nvfp4/mma
 timeout ${T_ENGINE:-60} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$R/test_engine_graphs_gpu.xml \
   "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[1]" "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[64]" \
   2>&1 | grep -vE "leaked|nanobind|^ - " | tail -5
+if [ -n "${CHECKPOINT_TESTS:-}" ]; then  # the NVFP4 checkpoint GPU tests (ModelOpt, compressed-tensors) on the MMA path
+  timeout ${T_CHECKPOINT:-90} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$R/test_quant_checkpoints_gpu.xml \
+    tests/test_quant_checkpoints.py -k quantized_checkpoint_on_gpu 2>&1 | grep -vE "leaked|nanobind|^ - " | tail -5
+fi
