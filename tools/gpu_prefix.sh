@@ -9,9 +9,6 @@
 #                                   # server and tools/prefix_timeline.py's TTFT breakdown and step list
 #   bash tools/gpu_prefix.sh report ON_LABEL OFF_LABEL
 #   bash tools/gpu_prefix.sh all    # the four in one call (may exceed one 10-minute device call)
-#   bash tools/gpu_prefix.sh handover  # on, off, report, then the traced on-run (label trace) and its TTFT
-#                                   # breakdown: client send -> ASGI call -> hand-over -> core add -> first token
-#                                   # -> client (tools/prefix_timeline.py; ~1 min a run at 35B dummy)
 # The benefit run: bench serve --workload multi-turn, 32 users x 8 turns, a 2048-token system prompt
 # shared by all users, 128 new user tokens + 128 output tokens per turn (replies re-sent as ids).
 # Acceptance: TTFT p50 over turns 2-8 with caching <= 1/5 of without; output tok/s not lower.
@@ -73,5 +70,4 @@ case "${1:-all}" in
   on|off) run_bench "$@" ;;
   report) shift; report "$@" | tee -a "$OUT/prefix_report.md" ;;
   all) run_test; run_bench on; run_bench off; report | tee "$OUT/prefix_report.md" ;;
-  handover) run_bench on; run_bench off; report | tee "$OUT/prefix_report.md"; TRACE=1 run_bench on trace ;;
 esac

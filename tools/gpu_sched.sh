@@ -8,6 +8,8 @@
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; W=/tmp/sched; rm -rf $W; mkdir -p $W $OUT
 echo "commit ${LINRNN_COMMIT:-unknown}, $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader)" | tee $W/report.md
+python3 -c "import httptools, uvloop; print(f'uvicorn on uvloop {uvloop.__version__}, httptools {httptools.__version__}')" \
+  2>&1 | tail -1 | tee -a $W/report.md  # the server's event loop and HTTP parser (.whl/ carries both)
 OUT=$W TRACE=1 timeout 170 bash tools/gpu_prefix.sh on on
 OUT=$W timeout 170 bash tools/gpu_prefix.sh off off
 OUT=$W bash tools/gpu_prefix.sh report on off >> $W/report.md
