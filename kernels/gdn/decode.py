@@ -89,9 +89,11 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
     # 4 elements per thread: f32 tiles take 16 B in both directions (bf16 8 B), so an f32 tile never changes
     # register layout between its load and its store (Triton gives a load the widest vector of any
     # same-shaped access but caps stores at 16 B; a mismatch sent f32 tiles through shared memory). 16-byte bf16
-    # accesses measured slower in both layouts (bf16_round/, bf16_round3/)
-    offs = tl.max_contiguous(offs, [1, 4])
-    s = tl.load(pool + base + offs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE).to(tl.float32)
+    # accesses measured slower in both layouts (bf16_round/, bf16_round3/). The hint sits on the pointers: on the
+    # blocked bf16 offsets (o_k * 64 + j, all constant) triton 3.6 dropped it and gave the bf16 load 16-byte
+    # vectors, and with them the f32 load, whose store then converted layout (tests/test_gdn_kernels.py)
+    ptrs = tl.max_contiguous(pool + base + offs, [1, 4])
+    s = tl.load(ptrs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE).to(tl.float32)
 
     b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
     b_k = tl.load(k + i_b * stride_k_tok + i_hk * stride_k_head + o_k).to(tl.float32)
@@ -112,7 +114,7 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
     s = s * decay + (b_k * r_k)[:, None] * u[None, :]
 
     tl.store(o + (i_b * HV + i_h) * DV + o_v, b_o.to(o.dtype.element_ty))
-    tl.store(pool + base + offs, s.to(pool.dtype.element_ty), eviction_policy=STORE_EVICT,
+    tl.store(ptrs, s.to(pool.dtype.element_ty), eviction_policy=STORE_EVICT,
              cache_modifier=STORE_CACHE)
 
 
