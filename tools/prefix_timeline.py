@@ -15,21 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 
-
-def load_core(trace_dir: str) -> list[list]:
-    ev: list[list] = []
-    for name in sorted(os.listdir(trace_dir)):
-        if name.startswith("core-") and name.endswith(".jsonl"):
-            with open(os.path.join(trace_dir, name)) as f:
-                ev += [json.loads(line) for line in f if line.strip()]
-    return ev
-
-
-def med(v: list[float]) -> float:
-    return statistics.median(v) if v else float("nan")
+from linrnn_bench.handover import load_core, med  # the core trace reader, shared with the CPU repro
 
 
 def analyse(bench: dict, core: list[list], server: dict | None, steps_turn: int) -> str:
