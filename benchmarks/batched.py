@@ -596,7 +596,8 @@ def comparison_table(results: list[dict], base: int) -> str:
         ref = by[base].get(k)
         for i, b in enumerate(by):
             if i != base:
-                cells.append(f"{b[k]['S_TG'] / ref['S_TG']:.2f}x" if k in b and ref else "-")
+                # three decimals: targets sit at e.g. 1.08x, and 1.076 printed as 1.08x once
+                cells.append(f"{b[k]['S_TG'] / ref['S_TG']:.3f}x" if k in b and ref else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
