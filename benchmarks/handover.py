@@ -197,6 +197,18 @@ def load_core(trace_dir: str) -> list[list]:
     return ev
 
 
+def core_times(core: list[list]) -> tuple[dict[str, float], dict[str, float]]:
+    """(request id -> the core's add time, request id -> the time the core sent its first token)."""
+    adds = {e[2]: e[1] for e in core if e[0] == "add"}
+    first: dict[str, float] = {}
+    for e in core:
+        if e[0] == "core":
+            for rid, cum in e[2]:
+                if cum >= 1 and rid not in first:
+                    first[rid] = e[1]
+    return adds, first
+
+
 def med(v: list[float]) -> float:
     return statistics.median(v) if v else float("nan")
 
@@ -208,13 +220,7 @@ PARTS = ("send -> body written", "body written -> ASGI call", "send -> ASGI call
 def breakdown(bench: dict, core: list[list], server: dict, written: dict[str, float]) -> dict:
     """Per turn and over turns 2..T: the median of each TTFT part (ms)."""
     run = bench["runs"][0]
-    adds = {e[2]: e[1] for e in core if e[0] == "add"}
-    first: dict[str, float] = {}
-    for e in core:
-        if e[0] == "core":
-            for rid, cum in e[2]:
-                if cum >= 1 and rid not in first:
-                    first[rid] = e[1]
+    adds, first = core_times(core)
     ev = server["events"]
     handed = {e[2]: e[1] for e in ev if e[0] == "add_sent"}
     http_in = {e[2]: e[1] for e in ev if e[0] == "http_in_rid"}

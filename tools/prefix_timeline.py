@@ -16,18 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from linrnn_bench.handover import load_core, med  # the core trace reader, shared with the CPU repro
+from linrnn_bench.handover import core_times, load_core, med  # the core trace reader, shared with the CPU repro
 
 
 def analyse(bench: dict, core: list[list], server: dict | None, steps_turn: int) -> str:
     run = bench["runs"][0]
-    adds = {e[2]: e[1] for e in core if e[0] == "add"}
-    first: dict[str, float] = {}
-    for e in core:
-        if e[0] == "core":
-            for rid, cum in e[2]:
-                if cum >= 1 and rid not in first:
-                    first[rid] = e[1]
+    adds, first = core_times(core)
     steps = sorted((e for e in core if e[0] == "step" and len(e) > 4 and e[4]), key=lambda e: e[1])
     handed = {e[2]: e[1] for e in server["events"] if e[0] == "add_sent"} if server else {}
     http_in = {e[2]: e[1] for e in server["events"] if e[0] == "http_in_rid"} if server else {}
