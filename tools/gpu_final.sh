@@ -8,6 +8,8 @@
 #                               # benefit (multi-turn on / off)
 #   bash tools/gpu_final.sh AG  # A, then the GDN decode kernels vs the code before the blocked bf16 layout (gpu_gdn_bf16.sh
 #                               # check,bench: bit-identity and the registry benchmark, old and new in one run)
+#   bash tools/gpu_final.sh K   # ~3 min: the KL gate on the GPU (default model, decode scoring, n_ctx 256): the
+#                               # default (fused) kernels vs the unfused ones at tau = inf, and tau = 16 vs the unfused
 #   bash tools/gpu_final.sh H   # ~1 min: the CPU host-overhead benchmark (stubbed forward, no GPU) on this
 #                               # machine's 16 cores, where the core, the API server and 128 clients each get one
 # Results under $OUT (tarballs + short tables).
@@ -80,11 +82,25 @@ part_h() {
   tar czf $OUT/final_h.tgz -C /tmp final
 }
 
+part_k() {
+  # what the default kernels move against the unfused ones (cuBLAS projections, separate router, RoPE and KV
+  # write) at tau = inf, and tau = 16 against the same reference (kl_gate/gpu_fused_kernels/ has the first run)
+  local KL="python3 -m linrnn_serve kl-gate --model default --device cuda --scoring decode --batch 32 --ctx 256"
+  LINRNN_SKINNY_GEMM=0 LINRNN_FUSED_ROUTER=0 LINRNN_FUSED_ROPE_KV=0 timeout 150 $KL \
+    --ref ssm-bf16-tau=inf --save-ref $R/unfused_ref.pt > $R/kl_unfused_ref.log 2>&1
+  timeout 100 $KL --compare-ref $R/unfused_ref.pt --test ssm-bf16-tau=inf --out $R/kl_fused > $R/kl_fused.log 2>&1
+  timeout 100 $KL --compare-ref $R/unfused_ref.pt --test ssm-bf16-tau=16 --out $R/kl_tau16 > $R/kl_tau16.log 2>&1
+  rm -f $R/unfused_ref.pt
+  el "kl done"; grep -hE "kl-gate: n_ctx" $R/kl_fused.log $R/kl_tau16.log
+  tar czf $OUT/final_k.tgz -C /tmp final
+}
+
 case "${1:-A}" in
   T) part_t ;;
   A) part_a ;;
   B) part_b ;;
   H) part_h ;;
+  K) part_k ;;
   AG) part_a; OUT=$R bash tools/gpu_gdn_bf16.sh check,bench; el "gdn done"; rm -f $OUT/final_a.tgz
       tar czf $OUT/final_ag.tgz -C /tmp final ;;
 esac
