@@ -10,6 +10,7 @@
 #                               # check,bench: bit-identity and the registry benchmark, old and new in one run)
 #   bash tools/gpu_final.sh K   # ~3 min: the KL gate on the GPU (default model, decode scoring, n_ctx 256): the
 #                               # default (fused) kernels vs the unfused ones at tau = inf, and tau = 16 vs the unfused
+#   bash tools/gpu_final.sh AKH # ~7 min: A without the grammar stage, then K, then H
 #   bash tools/gpu_final.sh H   # ~1 min: the CPU host-overhead benchmark (stubbed forward, no GPU) on this
 #                               # machine's 16 cores, where the core, the API server and 128 clients each get one
 # Results under $OUT (tarballs + short tables).
@@ -40,6 +41,9 @@ part_a() {
     --config "model=qwen35moe-nvfp4,label=nvfp4 f32" --config "model=qwen35moe-nvfp4,ssm-bf16-tau=16,label=nvfp4 tau=16" \
     --vllm-ref --profile 1,128 --no-progress --out $R/batched > $R/batched.log 2>&1
   el "batched done"; grep -E "^\| (PP|128)|^## |^profile" $R/batched/batched.md | head -40
+  [ -f $R/batched/batched.json ] && python3 -m linrnn_bench.step_components $R/batched/batched.json \
+    --out $R/batched/components.md > /dev/null 2>&1
+  [ -n "$SKIP_SO" ] && { tar czf $OUT/final_a.tgz -C /tmp final; return; }
   timeout 90 python3 -m linrnn_serve bench batched --model qwen35moe-nvfp4 --load-format dummy --npp 128 --ntg 64 \
     --npl 32 --structured-output --no-progress --out $R/batched_so > $R/batched_so.log 2>&1
   el "structured done"; grep -E "structured|grammar" $R/batched_so.log | tail -3
@@ -101,6 +105,8 @@ case "${1:-A}" in
   B) part_b ;;
   H) part_h ;;
   K) part_k ;;
+  AKH) SKIP_SO=1 part_a; part_k; part_h; rm -f $OUT/final_a.tgz $OUT/final_k.tgz $OUT/final_h.tgz
+       tar czf $OUT/final_akh.tgz -C /tmp final ;;
   AG) part_a; OUT=$R bash tools/gpu_gdn_bf16.sh check,bench; el "gdn done"; rm -f $OUT/final_a.tgz
       tar czf $OUT/final_ag.tgz -C /tmp final ;;
 esac
