@@ -331,3 +331,6 @@ class EngineConfig:
     # overlapped steps (vLLM's async scheduling): step N+1 is scheduled and launched before step N's sampled ids
     # reach the host. None: on for CUDA, off on the CPU (where the forward runs on the host and nothing overlaps)
     async_scheduling: bool | None = None
+    # mixed batches: a step with prefill rows runs its decode rows inside the prefill forward as one-token chunks
+    # (one forward per step instead of two). None: MIXED_BATCH_DEFAULT (runner/model_runner.py)
+    mixed_batch: bool | None = None

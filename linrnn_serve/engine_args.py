@@ -181,6 +181,10 @@ class EngineArgs:
     async_scheduling: bool | None = _f(None, "overlapped steps: schedule and launch step N+1 before step N's "
                                        "sampled ids reach the host (default: on for CUDA, off on the CPU)",
                                        action=argparse.BooleanOptionalAction)
+    mixed_batch: bool | None = _f(None, "a step with prompts to prefill runs its decode rows in the same forward, "
+                                  "as one-token chunks (one forward per step, not two); their logits then "
+                                  "depend on who else is prefilling in the last bits (default: off, see "
+                                  "the README)", action=argparse.BooleanOptionalAction)
     enable_prefix_caching: bool | None = _f(None, "reuse the cached state / KV of a shared prompt prefix "
                                             "(exact, any length; recurrent-state snapshots)",
                                             action=argparse.BooleanOptionalAction)
@@ -285,7 +289,7 @@ class EngineArgs:
             max_model_len=max_model_len, allow_long_max_model_len=self.allow_long_max_model_len,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max(human_int(self.max_num_batched_tokens), self.max_num_seqs),
             gpu_memory_utilization=self.gpu_memory_utilization, block_size=self.block_size,
-            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
+            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling, mixed_batch=self.mixed_batch,
             ssm_bf16_tau=float(self.ssm_bf16_tau),
             ssm_calibration=self.ssm_calibration, seed=self.seed, max_queue_len=self.max_queue_len,
             served_model_name=self.served_model_name[0] if self.served_model_name else None,

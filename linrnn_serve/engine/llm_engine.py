@@ -167,9 +167,10 @@ class LLMEngine:
         log.info("recurrent state: %s; f32 heads %.1f%% / bf16 %.1f%%; %.2f MiB per sequence",
                  d["head_map"], 100 * f32, 100 * (1 - f32), d["state_bytes_per_seq"] / 2**20)
         log.info("caches: %s", self.budget.describe())
-        log.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, overlapped steps %s, CUDA graphs %s; "
-                 "engine ready in %.1f s", self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
-                 "on" if self.async_scheduling else "off",
+        log.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, overlapped steps %s, mixed batches "
+                 "%s, CUDA graphs %s; engine ready in %.1f s", self.max_model_len, config.max_num_seqs,
+                 config.max_num_batched_tokens, "on" if self.async_scheduling else "off",
+                 "on" if d.get("mixed_batch") else "off",
                  f"on ({d['num_graphs']} captured in {d['graph_capture_seconds']:.1f} s, "
                  f"{d['graph_capture_bytes'] / 2**30:.2f} GiB)" if d["cuda_graphs"] else "off",
                  time.perf_counter() - t_start)
@@ -462,4 +463,4 @@ class LLMEngine:
         return {"model": self.model_name, "dtype": str(self.dtype), "device": str(self.device),
                 "max_model_len": self.max_model_len, "budget": asdict(self.budget),
                 "state_f32_fraction": d["state_f32_fraction"], "cuda_graphs": d["cuda_graphs"],
-                "async_scheduling": self.async_scheduling}
+                "async_scheduling": self.async_scheduling, "mixed_batch": bool(d.get("mixed_batch"))}

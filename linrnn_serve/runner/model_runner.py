@@ -86,10 +86,12 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model, caches: ModelCaches, *, max_num_seqs: int, max_model_len: int, block_size: int,
                  enforce_eager: bool = False, progress: bool = True, max_num_batched_tokens: int = 2048,
-                 pad_prefill: bool | None = None):
+                 pad_prefill: bool | None = None, mixed_batch: bool = False):
         """pad_prefill: short prefills padded to token buckets (captured unless enforce_eager); None:
-        on CUDA for an unsharded model (prefill_graphs.py)."""
+        on CUDA for an unsharded model (prefill_graphs.py). mixed_batch: a step with prefill rows runs its
+        decode rows in the prefill forward, as one-token chunks (one forward per step)."""
         self.model, self.caches = model, caches
+        self.mixed_batch = mixed_batch
         self.device = next(model.parameters()).device
         self.block_size, self.max_model_len = block_size, max_model_len
         self.vocab_size = model.cfg.vocab_size
@@ -240,8 +242,10 @@ class ModelRunner:
         self._last = []
         pending = PendingStep(None, {})
         result = StepResult(prompt_logprobs=pending.prompt_logprobs)
-        dec = self._run_decode(plan.decode, plan.fill_bitmask, stage) if plan.decode else None
-        pre = self._run_prefill(plan.prefill, result, plan.fill_bitmask) if plan.prefill else None
+        mixed = self.mixed_batch and plan.decode and plan.prefill
+        dec = self._run_decode(plan.decode, plan.fill_bitmask, stage) if plan.decode and not mixed else None
+        pre = self._run_prefill(plan.prefill, result, plan.fill_bitmask, plan.decode if mixed else ()) \
+            if plan.prefill else None
         hit = self._run_cached(plan.cached, plan.fill_bitmask) if plan.cached else None
         for src, dst in plan.slot_copies:
             self.caches.state.copy_slot(src, dst)
@@ -382,16 +386,23 @@ class ModelRunner:
             self._mask_copied.record()
         cur.wait_event(self._mask_copied)
 
-    def _run_prefill(self, rows: list[PrefillRow], result: StepResult, fill_bitmask=None):
+    def _run_prefill(self, rows: list[PrefillRow], result: StepResult, fill_bitmask=None,
+                     decode: list[DecodeRow] | tuple = ()):
         """One varlen forward (padded to a token bucket and replayed from a CUDA graph when short, else
         eager); logits only for sampled rows (a fork samples n times from its prompt's last row) and
-        prompt-logprob positions."""
-        starts, cu = [], 0
+        prompt-logprob positions. `decode` (mixed batch): decode rows that ride in this forward as one-token
+        chunks in front of the prefill rows (tokens 0 .. len(decode) - 1), their block tables from the
+        per-slot mirror, their ids -1 fed from `slot_ids` on the device; sampled like first tokens."""
+        nd = len(decode)
+        bs, mirror = self.block_size, self.slot_tables_np
+        work = [([d.token_id], d.position, d.slot, mirror[d.slot, :d.position // bs + 1]) for d in decode]
+        work += [(r.token_ids, r.start_pos, r.slot, r.block_table) for r in rows]
+        starts, cu = [], nd
         for r in rows:
             starts.append(cu)
             cu += len(r.token_ids)
-        samp = [s for r in rows for s in r.samples]
-        sel = [starts[i] + len(r.token_ids) - 1 for i, r in enumerate(rows) for _ in r.samples]
+        samp = [d.sampling for d in decode] + [s for r in rows for s in r.samples]
+        sel = list(range(nd)) + [starts[i] + len(r.token_ids) - 1 for i, r in enumerate(rows) for _ in r.samples]
         plp_rows = []  # (row, [positions in chunk])
         for i, r in enumerate(rows):
             if r.prompt_logprobs is not None:
@@ -400,7 +411,7 @@ class ModelRunner:
                 sel += [starts[i] + j for j in pos]
         # snapshot rows' last-token logits: a sampled row's own (no extra logits row: the lm_head's
         # result must not depend on it), else one more row
-        snaps, snap_rows, k = [], [], 0
+        snaps, snap_rows, k = [], [], nd
         for i, r in enumerate(rows):
             if r.snapshot is not None:
                 snaps.append((r.slot, r.snapshot))
@@ -413,15 +424,17 @@ class ModelRunner:
         if not sel:  # a middle chunk: state and KV only
             sel = [cu - 1]
         pg = self.prefill_graphs
-        bucket = pg.bucket_for(cu, len(rows), len(sel)) if pg is not None and not plp_rows else None
+        bucket = pg.bucket_for(cu, len(work), len(sel)) if pg is not None and not plp_rows else None
         if bucket is not None:
-            pg.stage(bucket, [(r.token_ids, r.start_pos, r.slot, r.block_table) for r in rows], sel)
-            logits = pg.run(bucket)[:len(sel)]
+            pg.stage(bucket, work, sel)
+            batch = pg.batch(bucket)
         else:
-            work = [SeqWork(r.token_ids, r.start_pos, r.slot, r.block_table) for r in rows]
-            batch = build_forward_batch(work, self.block_size, self.device)
+            batch = build_forward_batch([SeqWork(list(t), p, s, list(b)) for t, p, s, b in work], bs, self.device)
             batch.logits_indices = self._to_device(sel)
-            logits = self.model(batch, self.caches)
+        if any(d.token_id < 0 for d in decode):  # overlapped: the previous step's ids, still on the device
+            ids = batch.input_ids[:nd]
+            ids.copy_(torch.where(ids >= 0, ids, self.slot_ids.index_select(0, batch.state_indices[:nd].long())))
+        logits = pg.run(bucket)[:len(sel)] if bucket is not None else self.model(batch, self.caches)
         k = len(samp)
         for r, pos in plp_rows:
             result.prompt_logprobs[r.seq_id] = self._prompt_logprobs(logits[k:k + len(pos)], r, pos)
@@ -517,3 +530,8 @@ def prefill_padding_default(model, device: torch.device) -> bool:
         return False
     flag = os.environ.get("LINRNN_PREFILL_GRAPHS")
     return flag != "0" if flag is not None else device.type == "cuda"
+
+
+def mixed_batch_default(device: torch.device) -> bool:
+    """--mixed-batch when the flag is not given: off (README, "Mixed batches", says why)."""
+    return False

@@ -27,7 +27,7 @@ from linrnn_serve.cache.budget import CacheBudget, compute_budget
 from linrnn_serve.classifier import build_head_map
 from linrnn_serve.config import EngineConfig, ModelConfig
 from linrnn_serve.models.loading import load_model
-from linrnn_serve.runner.model_runner import ModelRunner, prefill_padding_default
+from linrnn_serve.runner.model_runner import ModelRunner, mixed_batch_default, prefill_padding_default
 from linrnn_serve.runner.prefill_graphs import PREFILL_GRAPH_MAX_TOKENS
 from linrnn_serve.runner.plan import StepPlan, StepResult
 
@@ -107,7 +107,9 @@ class Worker:
         self.runner = ModelRunner(self.model, self.caches, max_num_seqs=c.max_num_seqs,
                                   max_model_len=self.max_model_len, block_size=c.block_size,
                                   enforce_eager=c.enforce_eager, progress=self.progress,
-                                  max_num_batched_tokens=c.max_num_batched_tokens)
+                                  max_num_batched_tokens=c.max_num_batched_tokens,
+                                  mixed_batch=mixed_batch_default(self.device) if c.mixed_batch is None
+                                  else c.mixed_batch)
 
     @property
     def local_config(self) -> ModelConfig:
@@ -146,6 +148,7 @@ class Worker:
     def describe(self) -> dict:
         r = self.runner
         return {"rank": self.rank, "device": str(self.device), "cuda_graphs": bool(r and r.use_graphs),
+                "mixed_batch": bool(r and r.mixed_batch),
                 "num_graphs": len(r.graphs.graphs) if r else 0,
                 "graph_capture_seconds": r.graphs.capture_seconds if r else 0.0,
                 "graph_capture_bytes": r.graphs.capture_bytes if r else 0,
