@@ -1,0 +1,201 @@
+"""Mixed batches (--mixed-batch, runner/model_runner.py): a step with prefill rows runs its decode rows inside
+the prefill forward as one-token chunks. CPU, tiny f32 model: the same greedy tokens as separate decode +
+prefill forwards and logits within the chunked-prefill tolerance (1e-4 relative), the same seeded draws,
+penalties, n > 1, logprobs, stops, grammars, through preemption, prefix-cache restores, overlapped steps
+(decode ids fed from the device) and the padded prefill layout the GPU captures. Each test also checks that
+the mixed path really ran: steps with both kinds of rows ran no separate decode forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linrnn_serve.runner.model_runner import ModelRunner
+from linrnn_serve.sampling_params import SamplingParams
+from test_engine import drain, engines, make_engine, mixed_workload, model_dir, one_thread, tokens  # noqa: F401
+from test_overlap import penalised_workload
+
+REL = 1e-4
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts, per engine run: steps with decode and prefill rows, separate decode forwards in such steps,
+    and decode rows fed from the device (token_id -1) in them."""
+    seen = {"mixed_steps": 0, "separate": 0, "device_fed": 0, "padded": 0}
+    run_decode, execute, stage = ModelRunner._run_decode, ModelRunner.execute_async, None
+
+    def execute_async(self, plan):
+        both = bool(plan.decode and plan.prefill)
+        seen["mixed_steps"] += both
+        seen["device_fed"] += both * sum(r.token_id == -1 for r in plan.decode)
+        self._spy_both = both
+        return execute(self, plan)
+
+    def _run_decode(self, *a, **kw):
+        seen["separate"] += self._spy_both
+        return run_decode(self, *a, **kw)
+
+    from linrnn_serve.runner.prefill_graphs import PrefillGraphs
+    stage = PrefillGraphs.stage
+
+    def staged(self, bucket, work, sel):
+        seen["padded"] += any(len(w[0]) == 1 for w in work) and any(len(w[0]) > 1 for w in work)
+        return stage(self, bucket, work, sel)
+
+    monkeypatch.setattr(ModelRunner, "execute_async", execute_async)
+    monkeypatch.setattr(ModelRunner, "_run_decode", _run_decode)
+    monkeypatch.setattr(PrefillGraphs, "stage", staged)
+
+    def take():
+        out = dict(seen)
+        seen.update({k: 0 for k in seen})
+        return out
+
+    return take
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for k in a:
+        err = ((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max()).item()
+        assert err <= REL, (k, err)
+
+
+def _check_mixed(on: dict, off: dict) -> None:
+    assert on["mixed_steps"] > 3 and on["separate"] == 0  # decode rows rode in the prefill forward
+    assert off["separate"] == off["mixed_steps"] > 3  # the reference ran them apart
+
+
+def test_greedy_tokens_and_logits_equal_separate_forwards(make_engine, spy):
+    out = {}
+    for mixed in (False, True):
+        eng = make_engine(mixed_batch=mixed, async_scheduling=False)
+        assert eng.describe()["mixed_batch"] is mixed
+        eng.capture_logits = True
+        out[mixed] = tokens(drain(eng, mixed_workload())), dict(eng.logits_log), spy()
+    assert out[True][0] == out[False][0]
+    _close(out[True][1], out[False][1])
+    _check_mixed(out[True][2], out[False][2])
+
+
+def test_seeded_penalties_n_preemption_overlapped(make_engine, spy):
+    """Sampled (seeded, top-k / top-p / min-p), penalised, n = 2, preempted, overlapped (decode ids still on the
+    device when the mixed forward launches): the same tokens as separate forwards run synchronously."""
+    ref = tokens(drain(make_engine(mixed_batch=False, async_scheduling=False, num_kv_blocks=16),
+                       penalised_workload()))
+    off = spy()
+    eng = make_engine(mixed_batch=True, async_scheduling=True, num_kv_blocks=16)
+    assert tokens(drain(eng, penalised_workload())) == ref
+    on = spy()
+    _check_mixed(on, off)
+    assert on["device_fed"] > 10 and eng.stats()["num_preemptions_total"] > 0
+
+
+def test_padded_prefill_layout_overlapped(make_engine, spy, monkeypatch):
+    """The GPU's layout (prefill padded to token buckets, the CUDA-graph path) with decode rows in it."""
+    monkeypatch.setenv("LINRNN_PREFILL_GRAPHS", "1")
+    ref = tokens(drain(make_engine(mixed_batch=False, async_scheduling=False), mixed_workload(seed=7, sampled=True)))
+    off = spy()
+    eng = make_engine(mixed_batch=True, async_scheduling=True)
+    assert eng.runner.prefill_graphs is not None
+    assert tokens(drain(eng, mixed_workload(seed=7, sampled=True))) == ref
+    on = spy()
+    _check_mixed(on, off)
+    assert on["padded"] > 3 and on["device_fed"] > 3
+
+
+def test_logprobs_stops_and_n(make_engine, spy):
+    """Decode rows' logprobs, stop strings / ids found a step late, min_tokens bans and n = 3 in mixed steps."""
+    def reqs():
+        arrive = [("s", [5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[3])),
+                  ("m", [5, 6, 7], SamplingParams(temperature=0.8, seed=2, max_tokens=20, min_tokens=12)),
+                  ("n", [3, 1, 4, 1, 5] * 7, SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=10, logprobs=3)),
+                  ("l", [2, 7, 1] * 11, SamplingParams(temperature=0, max_tokens=9, logprobs=2, ignore_eos=True)),
+                  ("b", list(range(9, 60)), SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True,
+                                                           logit_bias={17: 3.0}))]
+        return arrive
+
+    def run(eng):
+        out = {}
+        for i, r in enumerate(reqs()):  # one arrival every two steps: each prefill meets running decodes
+            eng.add_request(*r)
+            for _ in range(2):
+                out.update({o.request_id: o for o in eng.step() if o.finished})
+        out.update(drain(eng))
+        return {rid: [(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs] for rid, o in out.items()}
+
+    ref = run(make_engine(mixed_batch=False, async_scheduling=False))
+    off = spy()
+    got = run(make_engine(mixed_batch=True, async_scheduling=True))
+    on = spy()
+    assert {k: [(t, f) for t, f, _ in v] for k, v in got.items()} == {k: [(t, f) for t, f, _ in v] for k, v in ref.items()}
+    for k in ref:
+        for (*_, lp_r), (*_, lp_g) in zip(ref[k], got[k]):
+            assert (lp_r is None) == (lp_g is None)
+            for dr, dg in zip(lp_r or [], lp_g or []):
+                assert dr.keys() == dg.keys() and all(abs(dr[t] - dg[t]) < 1e-4 for t in dr)
+    assert on["mixed_steps"] > 3 and on["separate"] == 0 and off["separate"] == off["mixed_steps"]
+
+
+def test_prefix_cache_restores(make_engine, spy):
+    """Requests restored from prefix-cache snapshots (and snapshots taken) in steps with decode rows."""
+    prompt = list(range(40, 90))
+
+    def reqs():
+        return {0: [("q0", prompt + [0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))],
+                3: [(f"q{i}", prompt + [i], SamplingParams(temperature=0.9, seed=i, max_tokens=9, ignore_eos=True))
+                    for i in (1, 2)],
+                9: [("full", list(prompt), SamplingParams(temperature=0, max_tokens=5)),
+                    ("q3", prompt[:20] + [3, 4, 5], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))]}
+
+    kw = dict(enable_prefix_caching=True, num_prefix_snapshots=8)
+    ref_eng = make_engine(mixed_batch=False, async_scheduling=False, **kw)
+    ref_eng.capture_logits = True
+    ref = tokens(drain(ref_eng, reqs()))
+    off = spy()
+    eng = make_engine(mixed_batch=True, async_scheduling=False, **kw)
+    eng.capture_logits = True
+    assert tokens(drain(eng, reqs())) == ref
+    _close(eng.logits_log, ref_eng.logits_log)
+    on = spy()
+    assert eng.stats()["prefix_cache_hits_total"] > 0
+    assert on["mixed_steps"] > 3 and on["separate"] == 0 and off["separate"] == off["mixed_steps"]
+    # overlapped too
+    assert tokens(drain(make_engine(mixed_batch=True, async_scheduling=True, **kw), reqs())) == ref
+
+
+def test_structured_output(spy):
+    """Grammar-constrained rows (JSON schema, regex, choice; greedy and seeded) decoding in mixed steps."""
+    pytest.importorskip("xgrammar")
+    from linrnn_serve.config import EngineConfig
+    from linrnn_serve.engine.llm_engine import LLMEngine
+    from test_structured_output import _constrained_workload
+
+    outs, seen = {}, {}
+    for mixed in (False, True):
+        eng = LLMEngine(EngineConfig(model="tiny", mixed_batch=mixed, async_scheduling=mixed, max_num_seqs=8,
+                                     max_model_len=128), progress=False)
+        arrivals, final, step = _constrained_workload(), {}, 0
+        while eng.has_unfinished_requests() or arrivals:
+            for rid, prompt, p in arrivals.pop(step, []):
+                eng.add_request(rid, prompt, p)
+            final.update({o.request_id: o for o in eng.step() if o.finished})
+            step += 1
+            assert step < 1000
+        eng.check_integrity()
+        outs[mixed] = {rid: o.outputs[0].token_ids for rid, o in final.items()}
+        seen[mixed] = spy()
+    assert outs[True] == outs[False]
+    assert seen[True]["mixed_steps"] > 3 and seen[True]["separate"] == 0
+
+
+def test_engine_arg_and_default():
+    import argparse
+
+    from linrnn_serve.engine_args import EngineArgs
+    from linrnn_serve.runner.model_runner import mixed_batch_default
+
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for argv, want in (([], None), (["--mixed-batch"], True), (["--no-mixed-batch"], False)):
+        assert EngineArgs.from_cli_args(p.parse_args(argv)).create_engine_config().mixed_batch is want
+    assert mixed_batch_default(torch.device("cpu")) is False
