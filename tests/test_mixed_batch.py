@@ -199,3 +199,73 @@ def test_engine_arg_and_default():
     for argv, want in (([], None), (["--mixed-batch"], True), (["--no-mixed-batch"], False)):
         assert EngineArgs.from_cli_args(p.parse_args(argv)).create_engine_config().mixed_batch is want
     assert mixed_batch_default(torch.device("cpu")) is False
+
+
+# ---- the runner with the Triton kernels (interpreter on the CPU) ------------------------------------------
+def _kernel_plans():
+    """Two prompts; then both decode (one id from the host, one still on the device) beside a new prompt and
+    the second chunk of a third (its state continues, KV at start_pos > 0); then everyone decodes."""
+    g = torch.Generator().manual_seed(4)
+
+    def toks(n):
+        return torch.randint(0, 128, (n,), generator=g).tolist()
+
+    from linrnn_serve.runner.plan import DecodeRow, PrefillRow, SamplingRow, StepPlan
+    s = SamplingRow
+    c = toks(30)
+    return [
+        StepPlan(prefill=[PrefillRow(1, toks(5), 0, 1, [1], samples=[s(1, slot=1)]),
+                          PrefillRow(2, toks(18), 0, 2, [2, 3], samples=[s(2, slot=2)]),
+                          PrefillRow(4, c[:12], 0, 4, [6, 7])],
+                 reset_slots=[1, 2, 4], block_table_updates=[(1, 0, [1]), (2, 0, [2, 3])]),
+        StepPlan(decode=[DecodeRow(9, 5, 1, s(1, slot=1)), DecodeRow(-1, 18, 2, s(2, slot=2))],
+                 prefill=[PrefillRow(3, toks(9), 0, 3, [4], samples=[s(3, slot=3)]),
+                          PrefillRow(4, c[12:], 12, 4, [6, 7], samples=[s(4, slot=4)])],
+                 reset_slots=[3], block_table_updates=[(3, 0, [4]), (4, 0, [6, 7])]),
+        StepPlan(decode=[DecodeRow(-1, 6, 1, s(1, slot=1)), DecodeRow(-1, 19, 2, s(2, slot=2)),
+                         DecodeRow(-1, 9, 3, s(3, slot=3)), DecodeRow(-1, 30, 4, s(4, slot=4))]),
+    ]
+
+
+def test_runner_mixed_step_with_triton_kernels():
+    """Varlen GDN / conv / attention kernels (interpreter) with one-token rows beside prompts, in the padded
+    layout the GPU captures (the unpadded one runs the same kernels; the interpreter takes ~a minute per
+    layout): mixed on vs off, the same ids, logits and live states within 1e-4, the decode rows fed from the
+    device get the previous step's ids, and no slot or KV block outside the live ones is written (NaN)."""
+    pad = True
+    from helpers import make_hf_checkpoint, rel_err
+    from linrnn_kernels.dispatch import triton_on
+    from linrnn_serve.config import ModelConfig
+    from linrnn_serve.models.loading import load_model
+    from test_prefill_graphs import SLOTS, _runner
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = make_hf_checkpoint(d)
+        model = load_model(ModelConfig.from_pretrained(path), str(path), torch.float32, "cpu", progress=False)
+    runs = {}
+    for mixed in (False, True):
+        r = _runner(model, pad, dummy_nan=False)
+        r.mixed_batch = mixed
+        out = []
+        for plan in _kernel_plans():
+            with triton_on("cpu"):
+                res = r.execute(plan)
+            out.append(({k: v.token_id for k, v in res.sampled.items()},
+                        {k: v.clone() for k, v in r.last_logits().items()}))
+        runs[mixed] = out, r
+    (on, r_on), (off, r_off) = runs[True], runs[False]
+    for (ids_a, lg_a), (ids_b, lg_b) in zip(on, off):
+        assert ids_a == ids_b and lg_a.keys() == lg_b.keys()
+        for k in lg_a:
+            assert rel_err(lg_a[k], lg_b[k]) <= REL, k
+    sa, sb = r_on.caches.state, r_off.caches.state
+    for a, b in zip(sa.ssm_f32 + sa.ssm_bf16 + [sa.conv], sb.ssm_f32 + sb.ssm_bf16 + [sb.conv]):
+        if a.numel() == 0:
+            continue
+        dim = 1 if a is sa.conv else 0
+        live = torch.tensor([1, 2, 3, 4])
+        assert rel_err(a.index_select(dim, live), b.index_select(dim, live)) <= REL
+        assert torch.isnan(a.index_select(dim, torch.tensor(list(range(5, SLOTS)))).float()).all()
+    kv = r_on.caches.kv.kv
+    assert torch.isnan(kv[:, :, 8:]).all() and torch.isnan(kv[:, :, 5]).all()
