@@ -8,7 +8,10 @@ Per step (runner/plan.py):
   3. prefill: the chunks in one varlen forward; logits only for the rows that sample and for
      prompt-logprob positions (batch.logits_indices). Up to prefill_graphs.PREFILL_GRAPH_MAX_TOKENS
      tokens it runs padded to a token bucket, replayed from a CUDA graph (prefill_graphs.py); longer
-     ones (and prompt-logprob steps) run eagerly;
+     ones (and prompt-logprob steps) run eagerly. With `mixed_batch` a step that has prefill rows skips
+     step 2: its decode rows ride in this forward as one-token chunks in front of the prompts (their
+     tables from the per-slot mirror, ids the host has not seen gathered from `slot_ids` on the device)
+     and are sampled with the prompts' first tokens (plan.py says what that does to the numerics);
   4. prefix-cache snapshots of states this forward produced (prompt ends, divergence points) are
      saved with their last token's logits; sequences whose whole prompt was such a snapshot sample
      from the stored logits; n > 1 forks copy the prompt's recurrent state to the samples' slots;

@@ -5,9 +5,15 @@ hands back a `StepResult`. Keeping the hand-off in plain dataclasses keeps the s
 CUDA and lets scheduler tests run without a model.
 
 One engine step = one decode forward over every running sequence that has exactly one new token
-(bucket-padded, CUDA graph) + one eager varlen forward over the prefill chunks (new prompts,
-continuing chunked prefills, and re-prefills after preemption). Decode rows never ride in the
-prefill forward, so a sequence's decode math does not depend on who else is prefilling.
+(bucket-padded, CUDA graph) + one varlen forward over the prefill chunks (new prompts, continuing
+chunked prefills, and re-prefills after preemption; padded and graph-captured when short). With
+--no-mixed-batch decode rows never ride in the prefill forward, so a sequence's decode math does not
+depend on who else is prefilling (batch invariance, bit for bit). With --mixed-batch a step that has
+prefill rows runs its decode rows inside that one forward as one-token chunks: the same tokens and
+sampling, but those rows go through the prefill kernels (another summation order; on the GPU bf16
+operands in the GDN chunk matmuls), so their logits then depend on who else is prefilling in the last
+bits (tests/test_mixed_batch.py: within 1e-4 relative on the CPU f32 model). A step without prefill rows
+is the decode forward either way.
 """
 from __future__ import annotations
 

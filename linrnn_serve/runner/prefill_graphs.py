@@ -7,7 +7,8 @@ PREFILL_GRAPH_MAX_TOKENS tokens therefore run in the smallest bucket of T_b >= T
 then four per octave: 160, 192, 224, 256, 320, ...) with a fixed number of sequence rows
 S_b = min(max_num_seqs, T_b) + 1:
 
-    rows 0 .. n-1     the real sequences, their tokens first (tokens 0 .. T-1)
+    rows 0 .. n-1     the real sequences, their tokens first (tokens 0 .. T-1); with --mixed-batch the
+                      step's decode rows come first among them, one token each
     row n             the padding sequence: tokens T .. T_b-1 (token id 0, positions 0, 1, ...), recurrent
                       state in dummy slot 0, KV in dummy block 0 (every position maps into that block)
     rows n+1 .. S_b-1 empty sequences (no tokens, slot 0): every varlen kernel skips them
