@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Mixed batches (--mixed-batch: decode rows ride in the prefill forward; issue #14 c = 64 line, #16 TTFT):
-# one H200 call (~4.5 min, timeout_s 300; pass LINRNN_COMMIT=<sha>). 35B-A3B NVFP4 dummy, --max-num-seqs 64.
-#   1. bench serve in 128 / out 128 at concurrency 64 (two runs) with --mixed-batch, then --no-mixed-batch
-#   2. bench batched --npl 64 (PP = TG = 128): S_TG; ratio = serve output tok/s / S_TG (target >= 0.9)
-#   3. what time is left: the #16 multi-turn workload (32 users x 8 turns, 2048-token system prompt, 128 + 128
-#      tokens per turn), prefix caching on, --mixed-batch (final_run_5 without it: turns 2-8 TTFT p50 127.8 ms)
+# Mixed batches (--mixed-batch: decode rows ride in the prefill forward; issue #14 c = 64 line, #16 TTFT), one
+# H200 call; pass LINRNN_COMMIT=<sha>. 35B-A3B NVFP4 dummy, --max-num-seqs 64. Run with timeout_s 600 (or 360
+# without stage 4: BUDGET=0); every stage has its own timeout, so a hang still leaves the table.
+#   0. MIXED_TEST=1: `pytest -m gpu tests/test_mixed_batch.py` first (tiny f32, graphs: mixed == separate; ~2 min)
+#   1. bench batched --npl 64 (PP = TG = 128): S_TG. It runs first: the first engine of a fresh machine pays the
+#      Triton JIT (a server then took 102 s to start instead of 28 s: budget for it)
+#   2. bench serve in 128 / out 128 at concurrency 64 (two runs) with --mixed-batch, 3. with --no-mixed-batch;
+#      ratio = serve output tok/s / S_TG (target >= 0.9)
+#   4. if BUDGET (default 560) - elapsed >= 80 s: the #16 multi-turn workload (32 users x 8 turns, 2048-token system
+#      prompt, 128 + 128 tokens per turn), prefix caching on, --mixed-batch (final_run_5 with separate forwards:
+#      turns 2-8 TTFT p50 127.8 ms, output 3018 tok/s)
 # Prints a table; $OUT/mixed_report.md + $OUT/mixed.tgz (logs, JSON).
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; W=/tmp/mixed; rm -rf $W; mkdir -p $W $OUT
@@ -31,13 +36,17 @@ serve() {  # $1 label, $2 server timeout, then server flags; the c = 64 bench (o
   echo "[$SECONDS s] $label: done" | tee -a $W/report.md
 }
 
-serve mixed_on 110 --mixed-batch
-serve mixed_off 90 --no-mixed-batch
-timeout 80 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 64 \
+if [ -n "$MIXED_TEST" ]; then
+  timeout 240 python3 -m pytest -m gpu tests/test_mixed_batch.py -x -q -p no:cacheprovider 2>&1 | tail -5 \
+    | tee $W/gpu_test.txt | tee -a $W/report.md
+fi
+timeout 170 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 64 \
   --config "model=qwen35moe-nvfp4" --no-progress --out $W/batched > $W/batched.log 2>&1
 echo "[$SECONDS s] batched: done" | tee -a $W/report.md
-left=$((288 - SECONDS))
-[ $left -ge 70 ] && serve multi_turn $left --mixed-batch --enable-prefix-caching
+serve mixed_on 140 --mixed-batch
+serve mixed_off 120 --no-mixed-batch
+left=$((${BUDGET:-560} - SECONDS))
+[ $left -ge 80 ] && serve multi_turn $((left < 200 ? left : 200)) --mixed-batch --enable-prefix-caching
 
 python3 - $W <<'PY' | tee -a $W/report.md
 import json, os, sys
