@@ -421,7 +421,15 @@ MMA_CANDIDATES = {
     "separate SiLU reduce": {"fused_reduce": False},
     "16-token blocks": {"tokens": 16},
     "8-token blocks": {"tokens": 8},
-    "2 units per step": {"units": 2},
+    "2 units per step": {"units": 2, "maxnreg": 0},
+    # ptxas register budget (experts.MMA_TILES; 0: ptxas's own choice, round 3's tile at every batch)
+    "round 3 tile (1 unit, no budget)": {"units": 1, "maxnreg": 0},
+    "1 unit, budget 64": {"units": 1, "maxnreg": 64},
+    "1 unit, budget 80": {"units": 1, "maxnreg": 80},
+    "2 units, budget 64": {"units": 2, "maxnreg": 64},
+    "2 units, budget 80": {"units": 2, "maxnreg": 80},
+    "budget 80, split to 1/SM": {"units": 1, "maxnreg": 80, "per_sm": 1},
+    "budget 80, split to 4/SM": {"units": 1, "maxnreg": 80, "per_sm": 4},
     "row tiles of a block together": {"n_fastest": True},
     "one row tile of every block first": {"n_fastest": False},
     "persistent (both GEMMs, one launch)": {"persistent": True},
@@ -436,12 +444,13 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor) -> str:
     p13, p2 = w13.packed, w2.packed
     E = p13.codes.shape[0]
     splits = experts.mma_splits(num_pairs, p13, p2, nvfp4_mma.num_sms(w13.data.device))
+    units, maxnreg = experts.mma_tile(num_pairs, E)
     out = []
     for p, sp in zip((p13, p2), splits):
-        u = nvfp4_mma.units_per_step(p.codes.shape[2], sp, nvfp4_mma.DEFAULT_UNITS)
+        u = nvfp4_mma.units_per_step(p.codes.shape[2], sp, units)
         pf = nvfp4_mma.DEFAULT_PREFETCH and (p.codes.shape[2] // sp // u) % 2 == 0
         st = nvfp4_mma.k_loop_stats(gated=p.gated, split=sp, units=u, prefetch=pf, fused_reduce=p.gated and sp > 1,
-                                    tokens=experts.mma_tokens(num_pairs, E))
+                                    tokens=experts.mma_tokens(num_pairs, E), maxnreg=maxnreg or None)
         out.append(f"{st['per_weight']:.2f}")
     return " / ".join(out)
 

@@ -268,6 +268,23 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
     return 16 if num_pairs >= MMA_16_MIN_MEAN_PAIRS * num_experts else 8
 
 
+# The MMA kernel's tile by batch: (from this mean number of (token, expert) pairs per expert, 64-k units per K step,
+# ptxas register budget (0: ptxas's own choice)); the last row that applies wins. Without a budget ptxas compiles the
+# 1-unit loop to 44 registers by sinking the activation loads next to their MMAs and the next step's code loads behind
+# the first MMAs (4 serial L1/L2 round trips per loop iteration, nvfp4_mma.py "Register budget"): hidden by occupancy at
+# large batches, not at B = 1 (about 4 CTAs per SM). Measured: benchmarks/results/kernels/moe/round4/.
+MMA_TILES = ((0, 1, 80), (0.25, 2, 0), (8, 1, 0))
+
+
+def mma_tile(num_pairs: int, num_experts: int) -> tuple[int, int]:
+    """(units per K step, register budget, 0 = none) of the MMA kernel for num_pairs pairs (MMA_TILES)."""
+    tile = MMA_TILES[0][1:]
+    for lo, units, maxnreg in MMA_TILES:
+        if num_pairs >= lo * num_experts:
+            tile = (units, maxnreg)
+    return tile
+
+
 def mma_splits(num_pairs: int, p13, p2, num_sms: int, warps: int = 4, groups: tuple[int, int] = (1, 1),
                per_sm: int = nvfp4_mma.DEFAULT_PER_SM) -> tuple[int, int]:
     """The split-K of moe_experts_mma's (gate_up, down) GEMMs for num_pairs (token, expert) pairs."""
@@ -279,7 +296,7 @@ def mma_splits(num_pairs: int, p13, p2, num_sms: int, warps: int = 4, groups: tu
 
 def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
-                    tokens: int | None = None, warps: int = 4, units: int = nvfp4_mma.DEFAULT_UNITS,
+                    tokens: int | None = None, warps: int = 4, units: int | None = None, maxnreg: int | None = None,
                     groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
@@ -289,7 +306,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
     or by a separate launch. persistent: both GEMMs in one persistent launch (nvfp4_mma.launch_persistent).
     n_fastest: run the row tiles of one expert block next to each other (default:
-    for a GEMM without split-K up to N_FASTEST_MAX_MEAN_PAIRS pairs per expert).
+    for a GEMM without split-K up to N_FASTEST_MAX_MEAN_PAIRS pairs per expert). units (64-k units per K step) and
+    maxnreg (ptxas's register budget, 0: its own choice): each from mma_tile where not given.
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -300,6 +318,9 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     P = T * top_k
     tokens = tokens or (8 if persistent else mma_tokens(P, E))  # the persistent kernel: 8 (compile-tested)
+    tile = mma_tile(P, E)
+    units = units or (nvfp4_mma.DEFAULT_UNITS if persistent else tile[0])  # persistent: the compile-tested tile
+    maxnreg = tile[1] if maxnreg is None else maxnreg
     sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
     if splits is None:
@@ -307,12 +328,13 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint)
+    cap = {"maxnreg": maxnreg or None}
     order = [n_fastest if n_fastest is not None else (s == 1 and P <= N_FASTEST_MAX_MEAN_PAIRS * E) for s in splits]
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if persistent:  # both GEMMs in one launch
         ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device) if s13 > 1 else None
         part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
-        common.pop("num_rows"), common.pop("num_m_blocks")
+        common.pop("num_rows"), common.pop("num_m_blocks")  # and its own register cap (PERSISTENT_MAXNREG)
         nvfp4_mma.launch_persistent(x, p13, p2, h, ws, part, num_rows=P, num_m_blocks=blocks,
                                     route_weights=topk_weights.reshape(-1).contiguous(), a_row_div=top_k,
                                     splits=splits, **common)
@@ -321,16 +343,16 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         gg.sum_reduce(part, out, group=top_k)
         return out
     if s13 == 1:
-        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], n_fastest=order[0], **common)
+        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], n_fastest=order[0], **common, **cap)
     else:
         ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device)
         nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], h=h if fused_reduce else None,
-                         n_fastest=order[0], **common)
+                         n_fastest=order[0], **common, **cap)
         if not fused_reduce:
             gg.silu_mul_reduce(ws, h)
     part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
     nvfp4_mma.launch(h, p2, part, route_weights=topk_weights.reshape(-1).contiguous(), split=s2,
-                     groups=groups[1], n_fastest=order[1], **common)
+                     groups=groups[1], n_fastest=order[1], **common, **cap)
     if not combine:
         return Partials(part, top_k)
     gg.sum_reduce(part, out, group=top_k)

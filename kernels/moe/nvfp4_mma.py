@@ -28,6 +28,13 @@ exchange. Weight loads carry an evict-first L2 hint (WEIGHT_HINTS).
 tiles waiting on their block's gate_up tiles); measured slower than the two launches on the H200 at
 most batch sizes (results/kernels/moe/MMA.md), so not the default.
 
+Register budget (maxnreg, per batch in experts.MMA_TILES): left to itself, ptxas compiles the default 1-unit loop to
+44 registers (round 2's: 52) by issuing each activation load next to its MMAs and the next step's code loads behind the
+first MMAs, so a loop iteration waits on 4 L1/L2 round trips in a row; with a budget of 80 it takes 78 registers and
+issues all 8 loads (activations of both steps, the next steps' codes and scales) before the first MMA (sm_90 SASS,
+k_loop_stats "loads_before_mma"). Occupancy hides the serial loads at large batches; at B = 1 (about 4 CTAs per SM)
+it does not: round 3's B = 1 regression (benchmarks/results/kernels/moe/round4/).
+
 No programmatic dependent launch here: under PDL (launch_dependents, then a grid wait before the first load)
 the engine step measured slower on the H200 (2.382 vs 2.345 ms at npl 1, 4.433 vs 4.396 at npl 8;
 benchmarks/results/small_round4/), so it was removed.
@@ -526,11 +533,12 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
-           n_fastest: bool = False):
+           n_fastest: bool = False, maxnreg: int | None = None):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
-    through tickets) and stores SiLU(gate) * up into h (no separate reduction launch)."""
+    through tickets) and stores SiLU(gate) * up into h (no separate reduction launch). maxnreg: ptxas's
+    register budget (None: its own choice; see REGISTER_BUDGET_WHY)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -561,7 +569,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
-        **_hint_consts(weight_hint), N_FASTEST=n_fastest, num_warps=warps)
+        **_hint_consts(weight_hint), N_FASTEST=n_fastest, num_warps=warps, maxnreg=maxnreg)
 
 
 # the persistent kernel holds both GEMMs' state (74 registers uncapped, 6 CTAs per SM); capped at 64 it
@@ -620,8 +628,9 @@ def launch_persistent(x: torch.Tensor, p13: lay.PackedNvfp4, p2: lay.PackedNvfp4
 
 def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
                     route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
-                    prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none"):
-    """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
+                    prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
+                    maxnreg: int | None = None):
+    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg as in launch); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
            "out_ptr": "*bf16" if (gated and split == 1) else "*fp32", "stride_os": "i32", "stride_om": "i32",
@@ -640,7 +649,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
     names = list(_nvfp4_mma_kernel.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = gluon._runtime.GluonASTSource(fn=_nvfp4_mma_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "maxnreg": maxnreg})
 
 
 def compile_persistent_offline(splits: tuple[int, int] = (1, 1), units: int = DEFAULT_UNITS, warps: int = 4,
@@ -680,7 +689,7 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
                  tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
-                 weight_hint: str = DEFAULT_WEIGHT_HINT) -> dict:
+                 weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -688,10 +697,10 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
                                  tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                                 weight_hint=weight_hint)
+                                 weight_hint=weight_hint, maxnreg=maxnreg)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                        weight_hint=weight_hint)
+                        weight_hint=weight_hint, maxnreg=maxnreg)
     weights = 16 * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     st = sass_loop_stats(k, "HMMA", weights)
     st["smem_ops_in_loop"] = sum(v for o, v in st["ops"].items() if o in ("STS", "LDS", "LDSM", "BAR", "STSM"))
@@ -701,7 +710,8 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
 def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
     """SASS statistics of a compiled kernel's K loop: the innermost backward branch whose body issues
     `mma_op` (HMMA: mma.sync; HGMMA: wgmma; an outer loop may run over row groups). Instructions per
-    weight, op counts, spills and atomics anywhere in the kernel, registers, shared memory."""
+    weight, op counts, global loads issued before the loop's first MMA, spills and atomics anywhere in the
+    kernel, registers, shared memory."""
     import collections
     import re
 
@@ -722,8 +732,10 @@ def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
     lo, hi = min(loops, key=lambda r: r[1] - r[0])
     body = [t for a, t in ins if lo <= a <= hi]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    first_mma = next(i for i, t in enumerate(body) if mma_op in t)
     res = re.search(r"REG:(\d+)", _sass(k.asm["cubin"], "-res-usage"))
     return {"instructions": len(body), "per_weight": len(body) / weights_per_iter, "ops": dict(ops),
+            "loads_before_mma": sum(1 for t in body[:first_mma] if re.search(r"\bLDG\b", t)),
             "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
             "atomics": sum(1 for _, t in ins if re.search(r"\b(ATOMG|RED)\b", t)),
             "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared}
