@@ -296,7 +296,7 @@ def test_mma_per_expert_loads(nan_buffers):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 8, 64, 256])
+@pytest.mark.parametrize("B", [1, 64, 256])
 def test_mma_tiles_bitwise_equal(nan_buffers, B):
     """Every tile shape runs the same MMAs in the same k order per token column: 8- and 16-token blocks, 1 / 2 / 4
     units per K step, with and without the prefetch, with and without a register budget (experts.MMA_TILES) give

@@ -24,9 +24,9 @@ MOE="python3 -m linrnn_bench.kernels.moe --variants nvfp4/mma --sets 3 --rep ${R
 BB="python3 -m linrnn_serve bench batched --model qwen35moe-nvfp4 --load-format dummy --npp 128 --ntg ${NTG:-64} --npl 1,8,128 --no-progress"
 case "$1" in
 sweep)
-  timeout ${T_TESTS:-100} python3 -m pytest -q -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
+  timeout ${T_TESTS:-90} python3 -m pytest -q -n 4 -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
     --junitxml=$R/test_nvfp4_mma_gpu.xml > $R/tests.log 2>&1; el tests; tail -1 $R/tests.log; grep -E "^(FAILED|ERROR)" $R/tests.log | head -5
-  timeout ${T_BENCH:-90} $MOE --mma-candidates "${CANDIDATES:-default,round 3 tile (1 unit, no budget),1 unit, budget 64,1 unit, budget 80,2 units per step,2 units, budget 64,2 units, budget 80,budget 80, split to 1/SM,budget 80, split to 4/SM}" \
+  timeout ${T_BENCH:-80} $MOE --mma-candidates "${CANDIDATES:-default,round 3 tile (1 unit, no budget),1 unit, budget 64,1 unit, budget 80,2 units per step,2 units, budget 64,2 units, budget 80,budget 80, split to 1/SM,budget 80, split to 4/SM}" \
     --out $R/moe_sweep > $R/moe_sweep.log 2>&1; el moe; quiet < $R/moe_sweep.log | tail -32
   timeout ${T_ENGINE:-45} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$R/test_engine_graphs_gpu.xml \
     "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[1]" "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[64]" \
