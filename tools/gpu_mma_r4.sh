@@ -8,10 +8,13 @@
 #       2. the `moe` layer benchmark, B = 1 .. 256: the table's tile (default), round 3's tile and the units x
 #          register budget variants (MMA_CANDIDATES), per-kernel profile of the default
 #       3. the engine's graphs-on == graphs-off greedy test on NVFP4 A3B-shaped models (B = 1, 64)
-#   bash tools/gpu_mma_r4.sh ab      main's tree as it came (old), then the branch overlay .gpu/$BR (new):
-#       bench batched --npl 1,8,128 (35B-A3B NVFP4 dummy, f32 state) old then new, the new one with the profile at
-#       npl 1; then the layer benchmark B = 1 .. 256 on the new tree with round 3's tile as a candidate (the old
-#       tree's kernel: the same code, launched without a register budget at 1 unit per step)
+#   bash tools/gpu_mma_r4.sh ab      the branch overlay .gpu/$BR (new) and round 3's experts.py / nvfp4_mma.py in .gpu/$BR-old
+#                                    (carry both):
+#       1. (new) the engine's graphs-on == graphs-off greedy test on NVFP4 A3B-shaped models (B = 1, 64)
+#       2. (new) the layer benchmark B = 1 .. 256 with round 3's tile as a candidate (the old tree's kernel: the
+#          same code, launched without a register budget at 1 unit per step) and budget / split variants
+#       3. bench batched --npl 1,8,128 (35B-A3B NVFP4 dummy, f32 state): new with the profile at npl 1, then old
+#          (.gpu/$BR-old's files put back)
 # Results under $OUT/mma_r4 (*.log, batched_*/, moe_*/).
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}
@@ -26,19 +29,27 @@ case "$1" in
 sweep)
   timeout ${T_TESTS:-90} python3 -m pytest -q -n 4 -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
     --junitxml=$R/test_nvfp4_mma_gpu.xml > $R/tests.log 2>&1; el tests; tail -1 $R/tests.log; grep -E "^(FAILED|ERROR)" $R/tests.log | head -5
-  timeout ${T_BENCH:-80} $MOE --mma-candidates "${CANDIDATES:-default,round 3 tile (1 unit, no budget),1 unit, budget 64,1 unit, budget 80,2 units per step,2 units, budget 64,2 units, budget 80,budget 80, split to 1/SM,budget 80, split to 4/SM}" \
+  timeout ${T_BENCH:-80} $MOE --mma-candidates "${CANDIDATES:-default,round 3 tile (1 unit without budget),1 unit budget 64,1 unit budget 80,2 units per step,2 units budget 64,2 units budget 80,budget 80 split to 1/SM,budget 80 split to 4/SM}" \
     --out $R/moe_sweep > $R/moe_sweep.log 2>&1; el moe; quiet < $R/moe_sweep.log | tail -32
-  timeout ${T_ENGINE:-45} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$R/test_engine_graphs_gpu.xml \
+  timeout ${T_ENGINE:-60} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$R/test_engine_graphs_gpu.xml \
     "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[1]" "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[64]" \
     > $R/engine.log 2>&1; el engine; tail -1 $R/engine.log
   ;;
 ab)
-  timeout ${T_OLD:-75} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old; grep -E "^\| 128 \| [0-9]+ \| " $R/batched_old/batched.md
+  # the old kernel files (round 3: experts.py, nvfp4_mma.py) carried in .gpu/$BR-old/kernels/moe/; new first, old last
+  test -f .gpu/$BR-old/kernels/moe/nvfp4_mma.py || { echo "no old files in .gpu/$BR-old"; exit 2; }
   cp -r .gpu/$BR/. ./
-  timeout ${T_NEW:-85} $BB --profile 1 --profile-top 30 --out $R/batched_new > $R/batched_new.log 2>&1; el new
-  grep -E "^\| 128 \| [0-9]+ \| " $R/batched_new/batched.md; grep -E "nvfp4_mma|launches" $R/batched_new/batched.md | head -3
-  timeout ${T_BENCH:-60} $MOE --mma-candidates "default,round 3 tile (1 unit, no budget)" --out $R/moe_ab > $R/moe_ab.log 2>&1
-  el moe; quiet < $R/moe_ab.log | tail -24
+  timeout ${T_ENGINE:-55} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$R/test_engine_graphs_gpu.xml \
+    "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[1]" "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[64]" \
+    > $R/engine.log 2>&1; el engine; tail -1 $R/engine.log
+  timeout ${T_BENCH:-40} $MOE --mma-candidates "${CANDIDATES:-default,round 3 tile (1 unit without budget),1 unit budget 80,2 units budget 64,budget 80 split to 1/SM}" \
+    --out $R/moe_ab > $R/moe_ab.log 2>&1; el moe; quiet < $R/moe_ab.log | grep -E "^\| [0-9]+ \| [0-9]+ \| [0-9.]+ \| [0-9]+ %|^- B=1 " | head -8
+  grep -A9 "layer time per variant" $R/moe_ab/moe_*.md | tail -7
+  timeout ${T_NEW:-70} $BB --profile 1 --profile-top 30 --out $R/batched_new > $R/batched_new.log 2>&1; el new
+  grep -E "^\| 128 \| [0-9]+ \| " $R/batched_new/batched.md | cut -d"|" -f4,11; grep -E "nvfp4_mma" $R/batched_new/batched.md | head -2 | cut -c1-160
+  cp .gpu/$BR-old/kernels/moe/*.py kernels/moe/
+  timeout ${T_OLD:-65} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old
+  grep -E "^\| 128 \| [0-9]+ \| " $R/batched_old/batched.md | cut -d"|" -f4,11
   ;;
 *) echo "usage: $0 sweep|ab"; exit 2 ;;
 esac

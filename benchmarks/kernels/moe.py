@@ -423,16 +423,17 @@ MMA_CANDIDATES = {
     "8-token blocks": {"tokens": 8},
     "2 units per step": {"units": 2, "maxnreg": 0},
     # ptxas register budget (experts.MMA_TILES; 0: ptxas's own choice, round 3's tile at every batch)
-    "round 3 tile (1 unit, no budget)": {"units": 1, "maxnreg": 0},
-    "1 unit, budget 64": {"units": 1, "maxnreg": 64},
-    "1 unit, budget 80": {"units": 1, "maxnreg": 80},
-    "2 units, budget 64": {"units": 2, "maxnreg": 64},
-    "2 units, budget 80": {"units": 2, "maxnreg": 80},
-    "budget 80, split to 1/SM": {"units": 1, "maxnreg": 80, "per_sm": 1},
-    "budget 80, split to 4/SM": {"units": 1, "maxnreg": 80, "per_sm": 4},
+    # (keys without commas: --mma-candidates is a comma-separated list)
+    "round 3 tile (1 unit without budget)": {"units": 1, "maxnreg": 0},
+    "1 unit budget 64": {"units": 1, "maxnreg": 64},
+    "1 unit budget 80": {"units": 1, "maxnreg": 80},
+    "2 units budget 64": {"units": 2, "maxnreg": 64},
+    "2 units budget 80": {"units": 2, "maxnreg": 80},
+    "budget 80 split to 1/SM": {"units": 1, "maxnreg": 80, "per_sm": 1},
+    "budget 80 split to 4/SM": {"units": 1, "maxnreg": 80, "per_sm": 4},
     "row tiles of a block together": {"n_fastest": True},
     "one row tile of every block first": {"n_fastest": False},
-    "persistent (both GEMMs, one launch)": {"persistent": True},
+    "persistent (both GEMMs in one launch)": {"persistent": True},
 }
 
 
@@ -455,11 +456,21 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor) -> str:
     return " / ".join(out)
 
 
+def mma_candidates(args) -> list[str]:
+    """The --mma-candidates keys (empty: all); an unknown key is an error, not a silently skipped column."""
+    wanted = [w.strip() for w in args.mma_candidates.split(",") if w.strip()]
+    unknown = [w for w in wanted if w not in MMA_CANDIDATES]
+    if unknown:
+        raise SystemExit(f"unknown --mma-candidates {unknown}; choose from {list(MMA_CANDIDATES)}")
+    return wanted
+
+
 def mma_sweep(sets, inputs, k, args, cuda) -> dict:
     """Layer time of the nvfp4/mma path per MMA_CANDIDATES entry (graph replays; --mma-candidates: a subset)."""
     out = {}
+    wanted = mma_candidates(args)
     for key, opts in MMA_CANDIDATES.items():
-        if args.mma_candidates and key not in args.mma_candidates.split(","):
+        if wanted and key not in wanted:
             continue
         def call(s, x, logits):
             topw, ids = router.route(logits, k, True, weight_dtype=x.dtype)
@@ -501,6 +512,7 @@ def run(args) -> int:
     shape = TINY if args.tiny else QWEN35
     E, k, H, I = shape["E"], shape["k"], shape["H"], shape["I"]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    mma_candidates(args)
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")

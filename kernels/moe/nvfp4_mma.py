@@ -63,7 +63,7 @@ from linrnn_kernels.moe import nvfp4_layout as lay
 
 # default tile (measured on the H200, results/kernels/moe/moe_mma_*: the (tokens, warps, units, groups,
 # prefetch) sweep): 1 unit (64 k) per K step, two steps per loop iteration with the next step's codes
-# in flight, 48 registers
+# in flight, 48 registers. moe_experts_mma picks units and a register budget per batch (experts.MMA_TILES)
 DEFAULT_UNITS = 1
 DEFAULT_PREFETCH = True
 DEFAULT_PER_SM = 2  # split-K until about this many programs per SM (small batches)
