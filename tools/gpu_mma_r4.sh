@@ -39,16 +39,16 @@ ab)
   # the old kernel files (round 3: experts.py, nvfp4_mma.py) carried in .gpu/$BR-old/kernels/moe/; new first, old last
   test -f .gpu/$BR-old/kernels/moe/nvfp4_mma.py || { echo "no old files in .gpu/$BR-old"; exit 2; }
   cp -r .gpu/$BR/. ./
-  timeout ${T_ENGINE:-55} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$R/test_engine_graphs_gpu.xml \
+  timeout ${T_ENGINE:-60} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$R/test_engine_graphs_gpu.xml \
     "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[1]" "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[64]" \
     > $R/engine.log 2>&1; el engine; tail -1 $R/engine.log
-  timeout ${T_BENCH:-40} $MOE --mma-candidates "${CANDIDATES:-default,round 3 tile (1 unit without budget),1 unit budget 80,2 units budget 64,budget 80 split to 1/SM}" \
+  timeout ${T_BENCH:-45} $MOE --mma-candidates "${CANDIDATES:-default,round 3 tile (1 unit without budget),budget 80 split to 1/SM,2 units budget 64}" \
     --out $R/moe_ab > $R/moe_ab.log 2>&1; el moe; quiet < $R/moe_ab.log | grep -E "^\| [0-9]+ \| [0-9]+ \| [0-9.]+ \| [0-9]+ %|^- B=1 " | head -8
   grep -A9 "layer time per variant" $R/moe_ab/moe_*.md | tail -7
   timeout ${T_NEW:-70} $BB --profile 1 --profile-top 30 --out $R/batched_new > $R/batched_new.log 2>&1; el new
   grep -E "^\| 128 \| [0-9]+ \| " $R/batched_new/batched.md | cut -d"|" -f4,11; grep -E "nvfp4_mma" $R/batched_new/batched.md | head -2 | cut -c1-160
   cp .gpu/$BR-old/kernels/moe/*.py kernels/moe/
-  timeout ${T_OLD:-65} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old
+  timeout ${T_OLD:-60} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old
   grep -E "^\| 128 \| [0-9]+ \| " $R/batched_old/batched.md | cut -d"|" -f4,11
   ;;
 *) echo "usage: $0 sweep|ab"; exit 2 ;;
