@@ -15,6 +15,7 @@
 #          same code, launched without a register budget at 1 unit per step) and budget / split variants
 #       3. bench batched --npl 1,8,128 (35B-A3B NVFP4 dummy, f32 state): new with the profile at npl 1, then old
 #          (.gpu/$BR-old's files put back)
+#   bash tools/gpu_mma_r4.sh engine  the engine test of 1. / 3. above alone (timeout_s >= 240; on main as merged)
 # Results under $OUT/mma_r4 (*.log, batched_*/, moe_*/).
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}
@@ -51,5 +52,12 @@ ab)
   timeout ${T_OLD:-60} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old
   grep -E "^\| 128 \| [0-9]+ \| " $R/batched_old/batched.md | cut -d"|" -f4,11
   ;;
-*) echo "usage: $0 sweep|ab"; exit 2 ;;
+engine)
+  # the engine's graphs-on == graphs-off greedy test on NVFP4 A3B-shaped models (B = 1, 64) alone, on the tree as it
+  # is (main, merged): ~60 s warm, more on a cold Triton cache (it ran out of its 45 / 60 s slots in both calls)
+  timeout ${T_ENGINE:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --junitxml=$R/test_engine_graphs_gpu.xml \
+    "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[1]" "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[64]" \
+    > $R/engine.log 2>&1; el engine; tail -3 $R/engine.log
+  ;;
+*) echo "usage: $0 sweep|ab|engine"; exit 2 ;;
 esac
