@@ -272,7 +272,10 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
 # ptxas register budget (0: ptxas's own choice)); the last row that applies wins. Without a budget ptxas compiles the
 # 1-unit loop to 44 registers by sinking the activation loads next to their MMAs and the next step's code loads behind
 # the first MMAs (4 serial L1/L2 round trips per loop iteration, nvfp4_mma.py "Register budget"): hidden by occupancy at
-# large batches, not at B = 1 (about 4 CTAs per SM). Measured: benchmarks/results/kernels/moe/round4/.
+# large batches, not at B = 1 (about 4 CTAs per SM). H200, one 35B-A3B layer against round 3's tile (1 unit, no budget)
+# in one run (benchmarks/results/kernels/moe/round4/): 24.2 vs 26.7 us at B = 1 (MMA kernel 10.4 vs 13.1), 49.9 vs 52.8
+# at 8, 156.6 vs 163.6 at 128 (2 units at B = 32 / 64: +5.0 / +4.3 us here, -7.0 / -3.7 in round 3's run: not settled);
+# engine 2.315 / 4.166 / 13.689 vs 2.416 / 4.258 / 13.997 ms per step at npl 1 / 8 / 128. B = 2-7 not measured.
 MMA_TILES = ((0, 1, 80), (0.25, 2, 0), (8, 1, 0))
 
 
