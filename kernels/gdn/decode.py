@@ -27,7 +27,9 @@ heads its [Dk, 64] tile was 128 pieces of 128 B strided 256 B apart (72 / 79 / 8
 benchmarks/results/kernels/gdn-decode/bf16_round3/; the same addressing measured 1.5-2 points slower for f32
 heads, which keep [Dk, Dv]). bf16_round/ records the other variants tried against the bf16 partition, bf16_round2/
 the persistent bf16 programs with the next tiles in flight (a register double buffer, a TMA pipeline): both
-slower on the H200 (TMA: 54.9-64.1 % of copy all-bf16 at B = 64-256), removed.
+slower on the H200 (TMA: 54.9-64.1 % of copy all-bf16 at B = 64-256), removed. bf16_round4/ the launch shapes tried
+on the blocked layout (register caps for 5-6 programs per SM, 8 warps, whole-head [Dk, 128] tiles, 2-4 tiles per
+program, one launch per partition, PDL): none faster than this kernel.
 """
 from __future__ import annotations
 
