@@ -48,7 +48,7 @@ from typing import Callable, Protocol
 from linrnn_serve.cache.allocator import BlockAllocator, SlotAllocator
 from linrnn_serve.cache.prefix_cache import PrefixCache, PrefixMatch
 from linrnn_serve.runner.plan import (
-    CachedSampleRow, DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult, sample_seed,
+    CachedSampleRow, DecodeRow, PrefillRow, SamplingRow, StepPlan, StepResult, sample_seed,
 )
 from linrnn_serve.sampling_params import SamplingParams
 
@@ -60,6 +60,9 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+RUNNING, FINISHED = SeqStatus.RUNNING, SeqStatus.FINISHED  # (the hot loops' local names)
 
 
 class Detokenizer(Protocol):
@@ -99,6 +102,9 @@ class Sequence:
         self.prefix_node = None  # prefix-cache node it restored from (locked while it runs)
         self.divergence_at: int | None = None  # depth whose state it snapshots (its chunk ends there)
         self.sampling_row: SamplingRow | None = None  # reusable decode sampling row (Scheduler._sampling_row)
+        # its decode row, rewritten each step it decodes (a plan's rows are read when the step is launched and,
+        # for the sequence id, at its postprocess: both before the next schedule() or unaffected by it)
+        self.decode_row: DecodeRow | None = None
         # the runner's per-slot penalty statistics hold this sequence's tokens (since its last slot assignment)
         self.penalty_stats_sent = False
         self.max_len: int | None = None  # prompt + output limit (Scheduler.max_len_for), set at add
@@ -283,20 +289,39 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         scheduled: set[int] = set()
 
-        for seq in list(self.running):  # 1. decodes
-            if seq.status is not SeqStatus.RUNNING or not seq.decode_ready:
+        # 1. decodes: every step for every running row, so the per-row work is kept to the minimum (the
+        # decode_ready test, _reserve's no-new-block case and _sampling_row's reuse case are inlined; the
+        # row objects persist per sequence and are updated in place)
+        running, bs, refcount, decode = RUNNING, self.cfg.block_size, self.blocks.refcount, plan.decode
+        for seq in list(self.running):
+            toks, pos, inflight = seq.token_ids, seq.num_computed, seq.num_inflight
+            n_toks = len(toks) + inflight
+            if seq.status is not running or n_toks - pos != 1 or seq.pending_children:  # not decode_ready
                 continue
-            if len(seq.token_ids) + seq.num_inflight >= seq.max_len:
+            if n_toks >= seq.max_len:
                 continue  # its last token is in flight: it finishes ("length") when that token arrives
             if budget < 1:
                 break
-            if not self._reserve(seq, 1, plan, scheduled):
+            blocks = seq.blocks
+            j = pos // bs
+            if not (j < len(blocks) and refcount(blocks[j]) == 1) and not self._reserve(seq, 1, plan, scheduled):
                 continue
             scheduled.add(seq.seq_id)
+            srow = seq.sampling_row
+            if srow is None:
+                srow = self._sampling_row(seq)
+            else:  # no penalties, no bans: only the output index (and after preemption the slot) change
+                srow.out_index, srow.slot = n_toks - seq.prompt_len, seq.slot
+                seq.num_inflight = inflight + 1
             # the token to feed: on the host, or (overlapped steps) sampled by the step in flight
-            tok = seq.token_ids[-1] if not seq.num_inflight else -1
-            plan.decode.append(DecodeRow(tok, seq.num_computed, seq.slot, self._sampling_row(seq)))
-            seq.num_computed += 1
+            tok = toks[-1] if not inflight else -1
+            row = seq.decode_row
+            if row is None:
+                row = seq.decode_row = DecodeRow(tok, pos, seq.slot, srow)
+            else:
+                row.token_id, row.position, row.slot, row.sampling = tok, pos, seq.slot, srow
+            decode.append(row)
+            seq.num_computed = pos + 1
             budget -= 1
 
         # 2. chunked prefills in flight (no pass at all when every running sequence already decodes)
@@ -555,63 +580,72 @@ class Scheduler:
         """Apply a step's sampled tokens; returns the requests with new output (finished included)."""
         now = time.monotonic() if now is None else now
         touched: dict[str, Request] = {}
-        sampled: list[Sequence] = []
+        seqs = self.seqs
         for seq_id, depth, snap in plan.snapshot_inserts:  # the forward has written these snapshots
-            seq = self.seqs.get(seq_id)
+            seq = seqs.get(seq_id)
             # (overlapped steps: preempted since this step was scheduled -> its blocks no longer hold depth tokens)
             ok = seq is not None and not seq.finished and seq.num_computed >= depth and \
                 len(seq.blocks) * self.cfg.block_size >= depth
             if not (ok and self.prefix.insert(seq.token_ids[:depth], seq.blocks, snap, logits=True)):
                 self.prefix.snapshots.free(snap)
-        for row in plan.decode:
-            seq = self.seqs.get(row.sampling.seq_id)
-            if seq is None or seq.finished:  # finished (a stop found a step late, an abort): its token is dropped
-                continue
-            sampled.append(seq)
+        # the sampled sequences in row order (None or finished: a stop found a step late, an abort: dropped)
+        sampled = [seqs.get(row.sampling.seq_id) for row in plan.decode]
         for row in plan.prefill:
-            seq = self.seqs.get(row.seq_id)
+            seq = seqs.get(row.seq_id)
             if seq is None or seq.finished:
                 continue
             plp = result.prompt_logprobs.get(row.seq_id)
             if plp and seq.group.prompt_logprobs is not None:
                 seq.group.prompt_logprobs.extend(plp)
                 touched[seq.group.request_id] = seq.group
-            for s in row.samples:
-                child = self.seqs.get(s.seq_id)
-                if child is not None and not child.finished:
-                    sampled.append(child)
+            sampled += [seqs.get(s.seq_id) for s in row.samples]
         for row in plan.cached:
-            for s in row.samples:
-                child = self.seqs.get(s.seq_id)
-                if child is not None and not child.finished:
-                    sampled.append(child)
-        for seq in sampled:
-            tok = result.sampled.get(seq.seq_id)
-            if tok is None:
-                raise RuntimeError(f"runner returned no token for sequence {seq.seq_id}")
-            self._append(seq, tok, now)
-            touched[seq.group.request_id] = seq.group
+            sampled += [seqs.get(s.seq_id) for s in row.samples]
+        self._append(sampled, result, now, touched)
         return list(touched.values())
 
-    def _append(self, seq: Sequence, tok: SampledToken, now: float) -> None:
-        req, p = seq.group, seq.group.params
-        seq.token_ids.append(tok.token_id)
-        seq.num_inflight -= 1
-        self.stats.generation_tokens += 1
-        if seq.logprobs is not None:
-            seq.logprobs.append(tok.logprobs or {})
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if req.first_token_time is None:
-            req.first_token_time = now
-        seq.last_token_time = now
-        t = tok.token_id
-        stopped_by_token = None
-        if seq.num_output >= p.min_tokens:
-            if t in p.stop_token_ids:
-                stopped_by_token = t
-            elif not p.ignore_eos and t in self.eos_token_ids:
-                stopped_by_token = -1  # EOS: stop_reason None
+    def _append(self, sampled: list[Sequence | None], result: StepResult, now: float,
+                touched: dict[str, Request]) -> None:
+        """Append each sequence's sampled token and check its finish conditions (one loop: it runs for
+        every row of every step; text and stop strings in _append_text)."""
+        ids, lps, eos = result.sampled, result.logprobs, self.eos_token_ids
+        n = 0
+        for seq in sampled:
+            if seq is None or seq.status is FINISHED:
+                continue
+            t = ids.get(seq.seq_id)
+            if t is None:
+                raise RuntimeError(f"runner returned no token for sequence {seq.seq_id}")
+            req = seq.group
+            p = req.params
+            toks = seq.token_ids
+            toks.append(t)
+            seq.num_inflight -= 1
+            n += 1
+            if seq.logprobs is not None:
+                seq.logprobs.append(lps.get(seq.seq_id) or {})
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                if req.first_token_time is None:
+                    req.first_token_time = now
+            seq.last_token_time = now
+            touched[req.request_id] = req
+            stopped_by_token = None
+            if len(toks) - seq.prompt_len >= p.min_tokens:
+                if t in p.stop_token_ids:
+                    stopped_by_token = t
+                elif not p.ignore_eos and t in eos:
+                    stopped_by_token = -1  # EOS: stop_reason None
+            if seq.detok is not None or stopped_by_token is not None:
+                self._append_text(seq, t, stopped_by_token)
+            elif len(toks) >= seq.max_len:
+                self._finish(seq, "length", None)
+        self.stats.generation_tokens += n
+
+    def _append_text(self, seq: Sequence, t: int, stopped_by_token: int | None) -> None:
+        """After appending token t: its text (detokenizing sequences), stop tokens and stop strings, the
+        length limit."""
+        p = seq.group.params
         new_chars = 0
         if seq.detok is not None and (stopped_by_token is None or p.include_stop_str_in_output):
             delta = seq.detok.update(t)

@@ -37,13 +37,13 @@ class DeviceIdsRunner(FakeRunner):
                 self.device_fed += 1
         res = super().execute(plan)
         for row in plan.decode:
-            self.last[row.slot] = res.sampled[row.sampling.seq_id].token_id
+            self.last[row.slot] = res.sampled[row.sampling.seq_id]
         for row in plan.prefill:
             for s in row.samples:
-                self.last[s.slot] = res.sampled[s.seq_id].token_id
+                self.last[s.slot] = res.sampled[s.seq_id]
         for row in plan.cached:
             for s in row.samples:
-                self.last[s.slot] = res.sampled[s.seq_id].token_id
+                self.last[s.slot] = res.sampled[s.seq_id]
         return res
 
 

@@ -158,7 +158,7 @@ def _run(model, pad: bool, kernels: bool, capture: bool = False):
         else:
             with reference_ops():
                 res = r.execute(plan)
-        out.append(({k: v.token_id for k, v in res.sampled.items()},
+        out.append((dict(res.sampled),
                     {k: v.clone() for k, v in r.last_logits().items()}))
     return out, r
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from linrnn_serve.cache.allocator import BlockAllocator, SlotAllocator
-from linrnn_serve.runner.plan import SampledToken, StepResult, uniform_for
+from linrnn_serve.runner.plan import StepResult, uniform_for
 from linrnn_serve.sampling_params import SamplingParams
 from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
 
@@ -64,7 +64,7 @@ class FakeRunner:
             self._write(table, row.position, row.token_id)
             st = st + (row.token_id,)
             self.state[row.slot] = st
-            res.sampled[row.sampling.seq_id] = SampledToken(self.next_token(st, row.sampling))
+            res.sampled[row.sampling.seq_id] = self.next_token(st, row.sampling)
         for row in plan.prefill:
             assert row.slot not in seen_slots
             seen_slots.add(row.slot)
@@ -77,7 +77,7 @@ class FakeRunner:
             st = st + tuple(row.token_ids)
             self.state[row.slot] = st
             for s in row.samples:
-                res.sampled[s.seq_id] = SampledToken(self.next_token(st, s))
+                res.sampled[s.seq_id] = self.next_token(st, s)
             if row.prompt_logprobs is not None:
                 res.prompt_logprobs[row.seq_id] = [{t: -1.0} for t in row.next_token_ids if t is not None]
         for src, dst in plan.slot_copies:

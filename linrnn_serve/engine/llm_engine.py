@@ -345,7 +345,7 @@ class LLMEngine:
             return
         self._accepted = pending
         for sid, tok in pending.result().sampled.items():
-            self.structured.accept(sid, tok.token_id)
+            self.structured.accept(sid, tok)
 
     def _take_inflight(self):
         x, self._inflight = self._inflight, None

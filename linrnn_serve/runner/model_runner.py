@@ -49,7 +49,7 @@ from linrnn_serve.runner import sampler as S
 from linrnn_serve.runner.cuda_graphs import GraphSet, bucket_for, decode_buckets
 from linrnn_serve.runner.inputs import SeqWork, build_forward_batch, to_device
 from linrnn_serve.runner.plan import (
-    CachedSampleRow, DecodeRow, PrefillRow, SampledToken, SamplingRow, StepPlan, StepResult,
+    CachedSampleRow, DecodeRow, PrefillRow, SamplingRow, StepPlan, StepResult,
 )
 from linrnn_serve.runner.prefill_graphs import PrefillGraphs
 
@@ -79,10 +79,8 @@ class PendingStep:
             ids = self.host_ids.tolist() if self.host_ids is not None else []
             lps: dict[int, dict] = {}
             for rows, top_n, parts in self.logprobs:
-                lps.update(zip(rows, S.logprob_dicts(parts, top_n)))
-            self._result = StepResult(
-                {sid: SampledToken(t, lps.get(i)) for i, (sid, t) in enumerate(zip(self.seq_ids, ids))},
-                self.prompt_logprobs)
+                lps.update(zip([self.seq_ids[i] for i in rows], S.logprob_dicts(parts, top_n)))
+            self._result = StepResult(dict(zip(self.seq_ids, ids)), self.prompt_logprobs, lps)
         return self._result
 
 

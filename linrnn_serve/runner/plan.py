@@ -46,7 +46,7 @@ def uniform_for(seed: int, position: int) -> float:
     return ((h >> 11) + 0.5) / float(1 << 53)
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """How to pick one sequence's next token from one logits row."""
 
@@ -88,7 +88,7 @@ class SamplingRow:
         return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeRow:
     token_id: int  # the token fed now (the last sampled one); -1: still on the device (overlapped steps:
     #                the runner feeds the id the previous step sampled for this slot)
@@ -160,12 +160,8 @@ class StepPlan:
 
 
 @dataclass
-class SampledToken:
-    token_id: int
-    logprobs: dict[int, float] | None = None  # sampled token + top-N alternatives
-
-
-@dataclass
 class StepResult:
-    sampled: dict[int, SampledToken] = field(default_factory=dict)  # seq_id -> token
+    sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token id
     prompt_logprobs: dict[int, list[dict[int, float] | None]] = field(default_factory=dict)  # seq_id -> chunk's
+    # seq_id -> {token_id: logprob} (the sampled token + top-N alternatives), rows that asked for logprobs only
+    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
