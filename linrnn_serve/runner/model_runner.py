@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -56,6 +57,18 @@ from linrnn_serve.runner.prefill_graphs import PrefillGraphs
 log = logging.getLogger(__name__)
 
 PROMPT_LOGPROB_SLICE = 256  # rows of f32 log-softmax computed at once for prompt logprobs
+
+# what a sequence's sampling needs, fixed for its life (its SamplingParams): kept per state slot on the host
+# so a decode step tests them with one numpy reduction instead of a Python pass per row
+ROW_RANDOM, ROW_SORT, ROW_EDITS, ROW_LOGPROBS = 1, 2, 4, 8
+_banned = attrgetter("banned_token_ids")
+
+
+def row_kind(r: SamplingRow) -> int:
+    """The ROW_* flags of a sampling row's sequence: random (temperature), sorted (top-k / top-p), logit
+    edits that last (logit_bias, penalties; bans are per step), logprobs."""
+    return (ROW_RANDOM if not r.is_greedy else 0) | (ROW_SORT if r.needs_sort else 0) | \
+        (ROW_EDITS if r.logit_bias or S.has_penalties(r) else 0) | (ROW_LOGPROBS if r.logprobs is not None else 0)
 
 
 class PendingStep:
@@ -113,6 +126,7 @@ class ModelRunner:
         self.slot_i = torch.zeros(num_slots, 3, dtype=i64, device=dev)  # top_k, seed (int64 bits), prompt_len
         self.slot_ids = torch.zeros(num_slots, dtype=i64, device=dev)  # last sampled id per slot
         self._slot_owner = np.full(num_slots, -1, dtype=np.int64)  # seq id whose parameters the slot holds
+        self._slot_kind = np.zeros(num_slots, dtype=np.uint8)  # its row_kind flags (host only)
         # ---- static decode inputs: host ids (-1: from slot_ids), positions, slots
         self._in = torch.zeros(3, B, dtype=i64, device=dev)
         self._cu = torch.arange(B + 1, dtype=i32, device=dev)
@@ -253,8 +267,8 @@ class ModelRunner:
         off = 0
         for part, published in ((dec, True), (pre, False), (hit, False)):
             if part is not None:
-                rows, ids, logits = part
-                self._collect(rows, ids, logits, off, published, pending, stage)
+                rows, ids, logits, want = part
+                self._collect(rows, ids, logits, want, off, published, pending, stage)
                 off += len(rows)
         if off:
             host = stage["t"]["ids"][:off]
@@ -303,37 +317,41 @@ class ModelRunner:
             src, dst = self._to_device([list(p) for p in zip(*saves)])
             self.caches.state.copy_to(self.caches.snapshots, src, dst)
 
-    def _upload_slot_params(self, samp: list[SamplingRow], slots: np.ndarray, stage: dict) -> None:
-        """Sampling parameters of the rows whose slot holds another sequence's (first decode in a slot)."""
-        owner = self._slot_owner
+    def _upload_slot_params(self, samp: list[SamplingRow], slots: np.ndarray, stage: dict) -> np.ndarray:
+        """Sampling parameters of the rows whose slot holds another sequence's (first decode in a slot), and
+        the kind flags (ROW_*) of every row's sequence, per slot on the host."""
+        owner, kind = self._slot_owner, self._slot_kind
         seq_ids = np.fromiter((s.seq_id for s in samp), dtype=np.int64, count=len(samp))
         new = np.flatnonzero(owner[slots] != seq_ids)
         if not len(new):
-            return
+            return kind[slots]
         m = len(new)
         npst = stage["np"]
         for j, i in enumerate(new.tolist()):
             r = samp[i]
             npst["sp_f"][j] = (r.temperature, r.top_p, r.min_p)
             npst["sp_i"][j] = (r.top_k, S._i64(r.seed), r.prompt_len)
+            kind[slots[i]] = row_kind(r)
         npst["sp_idx"][:m] = slots[new]
         owner[slots[new]] = seq_ids[new]
         t = stage["t"]
         idx = self._h2d(t["sp_idx"][:m])
         self.slot_f.index_copy_(0, idx, self._h2d(t["sp_f"][:m]))
         self.slot_i.index_copy_(0, idx, self._h2d(t["sp_i"][:m]))
+        return kind[slots]
 
     def _run_decode(self, rows: list[DecodeRow], fill_bitmask, stage: dict):
         n = len(rows)
         b = bucket_for(self.buckets, n)
         samp = [r.sampling for r in rows]
         inp = stage["np"]["in"]
-        inp[0, :n] = [r.token_id for r in rows]
-        inp[1, :n] = [r.position for r in rows]
+        inp[0, :n] = np.fromiter((r.token_id for r in rows), np.int64, n)
+        inp[1, :n] = np.fromiter((r.position for r in rows), np.int64, n)
         slots = inp[2, :n]
-        slots[:] = [r.slot for r in rows]
+        slots[:] = np.fromiter((r.slot for r in rows), np.int64, n)
         inp[:, n:b] = 0  # padding: token 0 at position 0 in dummy slot 0
-        self._upload_slot_params(samp, slots, stage)
+        kind = self._upload_slot_params(samp, slots, stage)
+        kinds = int(np.bitwise_or.reduce(kind))
         self._in.copy_(stage["t"]["in"], non_blocking=self.cuda)
         graphs = self.use_graphs and (b, "step") in self.graphs
         if graphs:
@@ -350,23 +368,23 @@ class ModelRunner:
                 self._mask_static(b)
             if self._mask_read is not None:
                 self._mask_read.record()
-        any_random = any(s.temperature >= S.GREEDY_EPS for s in samp)
-        if S.needs_logit_edits(samp):
+        any_random, use_sort = kinds & ROW_RANDOM, kinds & ROW_SORT
+        # bans (min_tokens, one-token bad words) change from step to step: the one per-row test left
+        if kinds & ROW_EDITS or any(map(_banned, samp)):
             rows = samp + [None] * (b - n)
             pen = self._penalty_rows(rows)
             logits = S.apply_logit_edits(self.logits_buf[:b], rows, self.penalties, pen)
-            ids = S.sample(logits, self._static_sampling(b), any(s.needs_sort for s in samp)) if any_random \
-                else S.greedy(logits)
+            ids = S.sample(logits, self._static_sampling(b), bool(use_sort)) if any_random else S.greedy(logits)
             self._publish(b, ids)
             if pen is not None:
                 self.penalties.observe(pen, ids)
         elif any_random:
-            kind = "sample_sorted" if any(s.needs_sort for s in samp) else "sample"
             if graphs:
-                self.graphs.replay(b, kind)
+                self.graphs.replay(b, "sample_sorted" if use_sort else "sample")
             else:
-                self._sample_static(b, kind == "sample_sorted")
-        return samp, None, self.logits_buf[:n]
+                self._sample_static(b, bool(use_sort))
+        want = np.flatnonzero(kind & ROW_LOGPROBS).tolist() if kinds & ROW_LOGPROBS else []
+        return samp, None, self.logits_buf[:n], want
 
     def _upload_mask(self, b: int, n: int, fill_bitmask, seq_ids: list[int]) -> None:
         """Fill rows [:n] of the pinned staging buffer (padding rows [n:b] all ones) and copy [:b] to the
@@ -469,7 +487,7 @@ class ModelRunner:
         ids = S.sample(x, t, any(s.needs_sort for s in samp)) if any_random else S.greedy(x)
         if pen is not None:
             self.penalties.observe(pen, ids)
-        return samp, ids, logits
+        return samp, ids, logits, None
 
     def _penalty_rows(self, rows: list[SamplingRow | None]) -> S.PenaltyRows | None:
         """The batch's penalised rows (their per-slot statistics built first where needed); the state is
@@ -488,10 +506,11 @@ class ModelRunner:
             out += S.logprobs_of(logits[k:k + len(part)], nxt, [row.prompt_logprobs] * len(part))
         return out
 
-    def _collect(self, rows: list[SamplingRow], ids: torch.Tensor | None, logits: torch.Tensor, off: int,
-                 published: bool, pending: PendingStep, stage: dict) -> None:
+    def _collect(self, rows: list[SamplingRow], ids: torch.Tensor | None, logits: torch.Tensor,
+                 want: list[int] | None, off: int, published: bool, pending: PendingStep, stage: dict) -> None:
         """Rows [off, off + len(rows)) of the step's output: their ids into `step_ids` and their slots' last
-        ids (unless the decode graph did), their logprobs started on the way to the host."""
+        ids (unless the decode graph did), their logprobs (rows `want`, None: those that ask) started on the
+        way to the host."""
         n = len(rows)
         seq_ids = [r.seq_id for r in rows]
         pending.seq_ids += seq_ids
@@ -502,7 +521,8 @@ class ModelRunner:
             slots = stage["t"]["ids"][off:off + n]  # staging for the slot indices (overwritten by the D2H later)
             slots.numpy()[:] = [r.slot for r in rows]
             self.slot_ids.index_copy_(0, self._h2d(slots), out)
-        want = [i for i, r in enumerate(rows) if r.logprobs is not None]
+        if want is None:
+            want = [i for i, r in enumerate(rows) if r.logprobs is not None]
         if want:
             top_n = [rows[i].logprobs for i in want]
             sel = self._to_device(want)
