@@ -123,7 +123,7 @@ def _engine(batch: int, tokens: int, model: str):
 
 def bench_bare(batch: int, tokens: int, eng=None, structured: bool = False) -> dict:
     from linrnn_serve.engine.core import EngineCore
-    from linrnn_serve.engine.protocol import AddRequest, StepOutputs, encoder
+    from linrnn_serve.engine.protocol import AddRequest, encoder
     from linrnn_serve.sampling_params import SamplingParams, StructuredOutputsParams
     from linrnn_bench.batched import STRUCTURED_SCHEMA
 
@@ -151,8 +151,7 @@ def bench_bare(batch: int, tokens: int, eng=None, structured: bool = False) -> d
         while eng.has_unfinished_requests():
             fill_s[0] = runner.mask_device_s = 0.0
             t0 = time.perf_counter()
-            deltas = core.step()
-            encoder.encode(StepOutputs(deltas))
+            encoder.encode(core.step())
             t1 = time.perf_counter()
             plan = eng.last_plan
             if plan.decode and not plan.prefill and len(plan.decode) == batch:

@@ -61,15 +61,14 @@ def core_main(argv: list[str]) -> None:
 
     class Encoder:  # the core's encoder, timestamping each step's outputs right before the send
         def encode(self, msg):
-            if isinstance(msg, StepOutputs) and msg.deltas:
+            if isinstance(msg, StepOutputs) and (msg.deltas or msg.token_ids):
                 t = now()
                 toks = []
-                done = False
-                for d in msg.deltas:
-                    n = cum.get(d.request_id, 0) + sum(len(s.token_ids) for s in d.seqs)
-                    cum[d.request_id] = n
-                    toks.append((d.request_id, n))
-                    done |= d.finished
+                done = any(d.finished for d in msg.deltas)
+                for rid, k in msg.new_tokens():
+                    n = cum.get(rid, 0) + k
+                    cum[rid] = n
+                    toks.append((rid, n))
                 buf.append(json.dumps(["core", t, toks]) + "\n")
                 if done:  # flush while the engine is between requests
                     flush()
@@ -154,10 +153,10 @@ def install_server_probe(trace: ServerTrace) -> None:
             t = now()
             msg = real_decoder.decode(data)
             toks = []
-            for d in msg.deltas:
-                n = trace.cum_recv.get(d.request_id, 0) + sum(len(s.token_ids) for s in d.seqs)
-                trace.cum_recv[d.request_id] = n
-                toks.append((d.request_id, n))
+            for rid, k in msg.new_tokens():
+                n = trace.cum_recv.get(rid, 0) + k
+                trace.cum_recv[rid] = n
+                toks.append((rid, n))
             if toks:
                 trace.add("recv", t, toks)
             return msg

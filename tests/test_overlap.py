@@ -260,9 +260,12 @@ def test_core_deltas_overlapped_equal_sync(make_engine):
             core.add(AddRequest(rid, prompt, p, 0.0))
         got: dict[str, list[int]] = {}
         while eng.has_unfinished_requests():
-            for d in core.step():
+            out = core.step()
+            for d in out.deltas:
                 for s in d.seqs:
                     got.setdefault(f"{d.request_id}/{s.index}", []).extend(s.token_ids)
+            for rid, t in zip(out.token_request_ids, out.token_ids):
+                got[f"{rid}/0"].append(t)
         return got
 
     assert streams(make_engine(async_scheduling=True)) == streams(make_engine(async_scheduling=False))

@@ -30,6 +30,7 @@ from linrnn_serve.engine.core import EngineCore
 from linrnn_serve.engine.errors import EngineDeadError, EngineFullError, RequestError
 from linrnn_serve.engine.llm_engine import LLMEngine
 from linrnn_serve.engine.outputs import RequestOutput
+from linrnn_serve.engine.protocol import StepOutputs
 from linrnn_serve.engine.request_state import RequestState, deliver, fail_all, outputs
 from linrnn_serve.sampling_params import SamplingParams
 
@@ -242,9 +243,9 @@ class AsyncLLMEngine:
             elif cmd[0] == "abort":
                 d = self.core.abort(cmd[1])
                 if d is not None:
-                    self._deliver([d])
+                    self._deliver(StepOutputs([d]))
 
-    def _deliver(self, deltas) -> None:
-        """One step's deltas to their consumers' states (the lock: consumers register and leave meanwhile)."""
+    def _deliver(self, out: StepOutputs) -> None:
+        """One step's outputs to their consumers' states (the lock: consumers register and leave meanwhile)."""
         with self._lock:
-            deliver(self._streams, deltas)
+            deliver(self._streams, out)

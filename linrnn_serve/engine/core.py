@@ -1,6 +1,7 @@
 """The engine core: the scheduler + executor step loop, emitting per-step deltas.
 
-    EngineCore(engine)          wraps an LLMEngine (scheduler + Executor); add / abort / step -> deltas
+    EngineCore(engine)          wraps an LLMEngine (scheduler + Executor); add / abort -> a delta,
+                                step -> the step's StepOutputs (deltas + the decode rows' token columns)
                                 (also the in-process AsyncLLMEngine's, in its engine thread)
     run_engine_core(...)        the core process's main: ZeroMQ in (AddRequest / AbortRequest /
                                 Shutdown), one StepOutputs message out per step (engine/protocol.py)
@@ -94,8 +95,25 @@ class EngineCore:
         req = self.engine.abort_request(request_id)
         return None if req is None else self.delta(req)
 
-    def step(self) -> list[RequestDelta]:
-        return [self.delta(req) for req in self.engine.step_requests()]
+    def step(self, out: StepOutputs | None = None) -> StepOutputs:
+        """One engine step's outputs, added to `out` (a new StepOutputs if None): a running single-sample
+        request's one new token (no logprobs, its first delta sent) in the two token columns, every other
+        request with new output as a RequestDelta."""
+        out = StepOutputs([]) if out is None else out
+        deltas, rids, toks, sent_of = out.deltas, out.token_request_ids, out.token_ids, self._sent
+        for req in self.engine.step_requests():
+            seqs = req.seqs
+            if len(seqs) == 1 and req.prompt_logprobs is None:
+                s = seqs[0]
+                sent = sent_of.get(req.request_id)
+                if s.finish_reason is None and s.logprobs is None and sent is not None and sent[0] and \
+                        len(s.token_ids) - s.prompt_len == sent[0] + 1:
+                    sent[0] += 1
+                    rids.append(req.request_id)
+                    toks.append(s.token_ids[-1])
+                    continue
+            deltas.append(self.delta(req))
+        return out
 
     def delta(self, req) -> RequestDelta:
         rid = req.request_id
@@ -180,7 +198,8 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             t_loop = time.perf_counter()
             stepped = False
             busy = engine.has_unfinished_requests()
-            deltas: list[RequestDelta] = []
+            out = StepOutputs([])  # this iteration's message: add refusals, abort deltas, then the step's
+            deltas = out.deltas
             if poller.poll(0 if busy else 100):
                 while True:
                     try:
@@ -210,8 +229,8 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             if not stop and engine.has_unfinished_requests():
                 checked_idle = False
                 n_before = len(deltas)
-                deltas += core.step()
-                stepped = len(deltas) > n_before
+                core.step(out)
+                stepped = len(deltas) > n_before or bool(out.token_ids)
             elif not stop:
                 engine.check_health()  # a lost tensor-parallel worker stops the core even while idle
                 if not checked_idle:
@@ -233,8 +252,9 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
                 stats = engine.stats()
                 stats.update(core.stats)
                 last_stats, next_stats = now, now + STATS_INTERVAL_S
-            if deltas or stats is not None:
-                push.send(encoder.encode(StepOutputs(deltas, stats)))
+            if deltas or out.token_ids or stats is not None:
+                out.stats = stats
+                push.send(encoder.encode(out))
             if stepped:
                 core.observe_loop(t_loop, time.perf_counter())
             if os.getppid() != parent:  # nobody reads our outputs any more

@@ -221,7 +221,7 @@ class AsyncMPClient:
             self._last_recv = time.monotonic()
             if msg.stats is not None:
                 self._stats = msg.stats
-            deliver(self._states, msg.deltas)
+            deliver(self._states, msg)
             if msg.dead is not None:
                 self._on_death(f"the engine core failed: {msg.dead.kind}: {msg.dead.message}")
                 return

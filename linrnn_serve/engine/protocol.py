@@ -10,7 +10,9 @@ Core -> client (one PUSH socket, ONE message per engine step):
     StepOutputs   the per-request deltas of that step (new token ids and logprobs per sample,
                   finish reason, prefix-cache hits), refusals of adds (`error`: a typed error of
                   engine/errors.py, rebuilt as the same type by the client), and now and then a
-                  stats snapshot
+                  stats snapshot. A running single-sample request's one new token without logprobs
+                  (nearly every row of a decode step) goes in two columns instead (request ids,
+                  token ids): no per-request object on either side
 
 The core sends token ids only; the client detokenizes. Stop strings are the exception: deciding
 where a sequence ends needs text, so the core detokenizes requests that have stop strings and
@@ -79,6 +81,17 @@ class StepOutputs(msgspec.Struct, array_like=True):
     deltas: list[RequestDelta]
     stats: dict | None = None  # LLMEngine.stats(), at most every STATS_INTERVAL_S
     dead: ErrorInfo | None = None  # the core's loop failed; the process exits after this message
+    # a decode step's common case as two columns instead of a RequestDelta each: one new token for each of
+    # these requests (one sample, no logprobs, still running, its first delta already sent)
+    token_request_ids: list[str] = []
+    token_ids: list[int] = []
+
+    def new_tokens(self):
+        """(request id, number of new tokens: 0 for a delta without any) per request of this message (traces)."""
+        for d in self.deltas:
+            yield d.request_id, sum(len(s.token_ids) for s in d.seqs)
+        for rid in self.token_request_ids:
+            yield rid, 1
 
 
 STATS_INTERVAL_S = 0.25

@@ -1,7 +1,7 @@
 """A request's cumulative output on the consumer's side, built from the engine core's per-step deltas.
 
     st = RequestState(loop, request_id, prompt_text, prompt_ids, params, arrival_time, tokenizer)
-    deliver(states, deltas)          # engine side (a receiver or engine thread): apply, wake the loops
+    deliver(states, step_outputs)    # engine side (a receiver or engine thread): apply, wake the loops
     async for out in outputs(st):    # consumer side: the newest cumulative RequestOutput at each wake-up
         ...
 
@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 from linrnn_serve.engine.errors import rebuild
 from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
-from linrnn_serve.engine.protocol import ErrorInfo, RequestDelta
+from linrnn_serve.engine.protocol import ErrorInfo, RequestDelta, StepOutputs
 from linrnn_serve.engine.tokenizer import Tokenizer
 from linrnn_serve.sampling_params import SamplingParams
 
@@ -76,9 +76,7 @@ class RequestState:
             if d.prompt_token_ids is not None:
                 self.prompt_ids = d.prompt_token_ids
             if self.seqs is None:
-                tok, p = self.tokenizer, self.params
-                self.seqs = [SeqState(tok.detokenizer(self.prompt_ids, p) if tok else None, p.logprobs is not None)
-                             for _ in range(p.n)]
+                self._make_seqs()
             self.num_cached_tokens = d.num_cached_tokens
             for sd in d.seqs:
                 s = self.seqs[sd.index]
@@ -110,6 +108,24 @@ class RequestState:
                 self.finished_time = d.finished_time or time.monotonic()
             self.dirty = True
 
+    def _make_seqs(self) -> None:
+        tok, p = self.tokenizer, self.params
+        self.seqs = [SeqState(tok.detokenizer(self.prompt_ids, p) if tok else None, p.logprobs is not None)
+                     for _ in range(p.n)]
+
+    def apply_token(self, t: int) -> None:
+        """One new token of the single sample, still running (StepOutputs' token columns)."""
+        with self.lock:
+            if self.finished:
+                return
+            if self.seqs is None:
+                self._make_seqs()
+            s = self.seqs[0]
+            s.token_ids.append(t)
+            if s.detok is not None:
+                s.text += s.detok.update(t)
+            self.dirty = True
+
     def fail(self, e: BaseException) -> None:
         with self.lock:
             if not self.finished and self.error is None:
@@ -136,15 +152,26 @@ def wake(states: list[RequestState]) -> None:  # on the consumers' event loop
         st.event.set()
 
 
-def deliver(states: dict[str, RequestState], deltas: list[RequestDelta]) -> None:
-    """Apply one step's deltas (engine side) and wake each consumer loop once."""
+def deliver(states: dict[str, RequestState], out: StepOutputs) -> None:
+    """Apply one step's outputs (engine side: its deltas, then its token columns) and wake each consumer loop
+    once."""
     by_loop: dict[asyncio.AbstractEventLoop, list[RequestState]] = {}
-    for d in deltas:
+    for d in out.deltas:
         st = states.get(d.request_id)
         if st is None:  # the consumer left (its abort is on the way)
             continue
         st.apply(d)
         by_loop.setdefault(st.loop, []).append(st)
+    if out.token_ids:
+        for rid, t in zip(out.token_request_ids, out.token_ids):
+            st = states.get(rid)
+            if st is None:
+                continue
+            st.apply_token(t)
+            woken = by_loop.get(st.loop)
+            if woken is None:
+                woken = by_loop[st.loop] = []
+            woken.append(st)
     wake_loops(by_loop)
 
 
