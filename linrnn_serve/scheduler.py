@@ -32,6 +32,11 @@ point). Every prefill that reaches the end of a sequence's tokens (a prompt, a r
 sequence that finishes (stop / length) snapshots too. Requests that ask for prompt logprobs compute
 their whole prompt. Tree entries are evicted (LRU, unlocked only) before anyone is preempted.
 
+Host cost: schedule() and postprocess() run for every row of every step (B = 128: ~0.1 ms of the step's
+host time together), so their decode paths are single passes with the common case inlined, and each
+sequence keeps its DecodeRow and (without penalties / bans) its SamplingRow from step to step, updated
+in place rather than rebuilt (benchmarks/host_overhead.py measures it).
+
 Finish detection (vLLM semantics): EOS (unless ignore_eos) and stop_token_ids, only once
 min_tokens are out; stop strings on the detokenized text, across token boundaries (the text is cut
 before the stop string unless include_stop_str_in_output); max_tokens; the context limit.

@@ -367,7 +367,7 @@ class LLMEngine:
         reqs = self.scheduler.postprocess(plan, result, now)
         self.num_steps += 1
         for req in reqs:
-            if req.finished:
+            if req.finished_time is not None:  # (Request.finished, without its pass over the samples)
                 self._observe_finish(req, now)
                 self._host_token_reqs.discard(req.request_id)
                 if constrained:
