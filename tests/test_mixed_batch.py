@@ -251,7 +251,7 @@ def test_runner_mixed_step_with_triton_kernels():
         for plan in _kernel_plans():
             with triton_on("cpu"):
                 res = r.execute(plan)
-            out.append(({k: v.token_id for k, v in res.sampled.items()},
+            out.append((dict(res.sampled),
                         {k: v.clone() for k, v in r.last_logits().items()}))
         runs[mixed] = out, r
     (on, r_on), (off, r_off) = runs[True], runs[False]
