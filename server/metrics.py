@@ -53,6 +53,9 @@ HELP = {
     "core_decode_step_seconds_total": "Wall time of the engine core's loop over those steps.",
     "core_decode_step_seconds": "Wall time of one decode-only step of the engine core's loop (receive, schedule, "
                                 "run, postprocess, send).",
+    "core_full_decode_steps_total": "Decode-only engine steps at the full batch (max_num_seqs sequences).",
+    "core_full_decode_step_seconds_total": "Wall time of the engine core's loop over those full-batch steps.",
+    "core_full_decode_step_seconds": "Wall time of one full-batch decode-only step of the engine core's loop.",
     "request_refused_total": "Requests refused with an HTTP error, by status.",
 }
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Host time per decode step, before vs after, interleaved (issue #14's CPU benchmark line):
-#   bash tools/host_ab.sh BEFORE_REF OUT [ROUNDS]     (run from the repo root, the venv active)
+#   bash tools/host_ab.sh BEFORE_REF OUT [ROUNDS] [TOKENS]     (run from the repo root, the venv active)
 # BEFORE_REF (e.g. a commit) is exported (git archive) to a temporary folder and run from there with the same
 # interpreter and packages (PYTHONPATH puts its packages first). Each round: `python -m linrnn_bench.host_overhead
-# --batch 1,128 --tokens 256` before, then after (bare and served, OMP_NUM_THREADS=1 as on the GPU machine). Writes
-# OUT/host_ab.md (every run, then the median over rounds of each column) and the runs' JSON files.
+# --batch 1,128 --tokens TOKENS` (default 1024: the 128 requests reach the core over tens of ms, so shorter
+# requests may never all run at once) before, then after (bare and served, OMP_NUM_THREADS=1 as on the GPU
+# machine). Writes OUT/host_ab.md (every run, then the median over rounds of each column) and the runs' JSON files.
 set -e
-REF=${1:?BEFORE_REF}; OUT=${2:?OUT}; ROUNDS=${3:-3}
+REF=${1:?BEFORE_REF}; OUT=${2:?OUT}; ROUNDS=${3:-3}; TOKENS=${4:-1024}
 OUT=$(realpath -m "$OUT"); mkdir -p "$OUT"
 TMP=$(mktemp -d); BEFORE=$TMP/before; SITE=$TMP/site
 trap 'rm -rf "$TMP"' EXIT
@@ -16,7 +17,7 @@ for pair in linrnn_serve:linrnn_serve linrnn_kernels:kernels linrnn_server:serve
   ln -sfn "$BEFORE/${pair#*:}" "$SITE/${pair%%:*}"
 done
 export OMP_NUM_THREADS=1
-run() { python -m linrnn_bench.host_overhead --batch 1,128 --tokens 256 --out "$@" > /dev/null 2>&1; }
+run() { python -m linrnn_bench.host_overhead --batch 1,128 --tokens "$TOKENS" --out "$@" > /dev/null 2>&1; }
 labels=()
 for r in $(seq 1 "$ROUNDS"); do
   (cd "$BEFORE" && PYTHONPATH=$SITE run "$OUT/before_$r")
@@ -30,14 +31,17 @@ out, ref, head, labels = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 runs = {l: json.load(open(f"{out}/{l}/host_overhead.json")) for l in labels}
 env = runs[labels[0]]["env"]
 print(f"# Host time per decode step, stubbed forward: before ({ref}) vs after ({head})\n")
-print(f"`bash tools/host_ab.sh {ref} OUT {len(labels) // 2}`, {env['date']}, {env['cores']} cores "
+print(f"`bash tools/host_ab.sh {ref} OUT {len(labels) // 2} {env['tokens']}`, {env['date']}, {env['cores']} cores "
       f"({env['cpu']}), python {env['python']}, torch {env['torch']}, OMP_NUM_THREADS=1, tokens {env['tokens']}\n")
-print("| run | 1-min load | B | bare ms/step mean / median | served ms/step mean / median |\n|---|---:|---:|---:|---:|")
+print("| run | 1-min load | B | bare ms/step mean / median | served ms/step mean / median (mean batch) | served, "
+      "steps at B only: mean / median (steps) |\n|---|---:|---:|---:|---:|---:|")
 for l in labels:
     for row in runs[l]["rows"]:
         b, s = row["bare"], row["served"]
+        full = f"{s['full_mean_ms']:.3f} / {s['full_median_ms']:.3f} ({s['full_steps']})" if "full_steps" in s \
+            else "not measured by that tree"
         print(f"| {l} | {runs[l]['env']['load_avg_1m']:.1f} | {row['batch']} | {b['mean_ms']:.3f} / {b['median_ms']:.3f} | "
-              f"{s['mean_ms']:.3f} / {s['median_ms']:.3f} |")
+              f"{s['mean_ms']:.3f} / {s['median_ms']:.3f} ({s['mean_batch']:.0f}) | {full} |")
 print("\nMedian over the rounds:\n\n| B | bare mean before -> after | bare median before -> after | served mean before -> after "
       "| served median before -> after |\n|---:|---:|---:|---:|---:|")
 for i, row in enumerate(runs[labels[0]]["rows"]):

@@ -53,14 +53,19 @@ class EngineCore:
         self._new_prompt: dict[str, list[int]] = {}  # request id -> its prompt ids as the engine runs them
 
         # wall time of the core loop's iterations that ran a step with decode rows only (receive,
-        # schedule, execute, postprocess, deltas, send): with a stubbed forward, the host time per step
+        # schedule, execute, postprocess, deltas, send): with a stubbed forward, the host time per step;
+        # apart, those at the full batch (max_num_seqs rows: a benchmark's B, not its ramp up and down)
+        self.full_batch = engine.config.max_num_seqs
         self.loop_stats = {"core_decode_steps_total": 0, "core_decode_rows_total": 0,
-                           "core_decode_step_seconds_total": 0.0, "integrity_failures_total": 0}
+                           "core_decode_step_seconds_total": 0.0, "core_full_decode_steps_total": 0,
+                           "core_full_decode_step_seconds_total": 0.0, "integrity_failures_total": 0}
         self.step_hist = Histogram(STEP_BUCKETS)
+        self.full_step_hist = Histogram(STEP_BUCKETS)
 
     @property
     def stats(self) -> dict:
-        return {**self.loop_stats, "core_decode_step_seconds": self.step_hist.snapshot()}
+        return {**self.loop_stats, "core_decode_step_seconds": self.step_hist.snapshot(),
+                "core_full_decode_step_seconds": self.full_step_hist.snapshot()}
 
     def observe_loop(self, t0: float, t1: float) -> None:
         p = self.engine.last_plan
@@ -70,6 +75,10 @@ class EngineCore:
             st["core_decode_rows_total"] += len(p.decode)
             st["core_decode_step_seconds_total"] += t1 - t0
             self.step_hist.observe(t1 - t0)
+            if len(p.decode) == self.full_batch:
+                st["core_full_decode_steps_total"] += 1
+                st["core_full_decode_step_seconds_total"] += t1 - t0
+                self.full_step_hist.observe(t1 - t0)
 
     def add(self, msg: AddRequest) -> RequestDelta | None:
         """Queue a request; a delta carrying the error when it is refused."""
