@@ -5,10 +5,11 @@
 # interpreter and packages (PYTHONPATH puts its packages first). Each round: `python -m linrnn_bench.host_overhead
 # --batch 1,128 --tokens TOKENS` (default 1024: the 128 requests reach the core over tens of ms, so shorter
 # requests may never all run at once) before, then after (bare and served, OMP_NUM_THREADS=1 as on the GPU
-# machine). Writes OUT/host_ab.md (every run, then the median over rounds of each column) and the runs' JSON files.
+# machine), then tools/host_phases.py before and after (the B = 128 step split into its phases). Writes OUT/host_ab.md
+# (every run, the median over rounds of each column, the phases) and the runs' JSON files.
 set -e
 REF=${1:?BEFORE_REF}; OUT=${2:?OUT}; ROUNDS=${3:-3}; TOKENS=${4:-1024}
-OUT=$(realpath -m "$OUT"); mkdir -p "$OUT"
+ROOT=$(pwd); OUT=$(realpath -m "$OUT"); mkdir -p "$OUT"
 TMP=$(mktemp -d); BEFORE=$TMP/before; SITE=$TMP/site
 trap 'rm -rf "$TMP"' EXIT
 mkdir -p "$BEFORE" "$SITE"
@@ -22,6 +23,8 @@ labels=()
 for r in $(seq 1 "$ROUNDS"); do
   (cd "$BEFORE" && PYTHONPATH=$SITE run "$OUT/before_$r")
   run "$OUT/after_$r"
+  (cd "$BEFORE" && PYTHONPATH=$SITE python "$ROOT/tools/host_phases.py" > "$OUT/phases_before_$r.json" 2> /dev/null)
+  python tools/host_phases.py > "$OUT/phases_after_$r.json" 2> /dev/null
   labels+=("before_$r" "after_$r")
   echo "round $r done (load $(cut -d' ' -f1 /proc/loadavg))"
 done
@@ -50,4 +53,13 @@ for i, row in enumerate(runs[labels[0]]["rows"]):
     cells = [f"{med('before', k, m):.3f} -> {med('after', k, m):.3f}" for k in ("bare", "served")
              for m in ("mean_ms", "median_ms")]
     print(f"| {row['batch']} | " + " | ".join(cells) + " |")
+phases = {l: json.load(open(f"{out}/phases_{l}.json")) for l in labels}
+names = list(phases[labels[0]])
+print("\nThe B = 128 step's phases (tools/host_phases.py: ms, median over 800 steps; then the median over rounds):\n")
+print("| run | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+for l in labels:
+    print(f"| {l} | " + " | ".join(f"{phases[l][k]:.4f}" for k in names) + " |")
+for side in ("before", "after"):
+    print(f"| **{side}** | " + " | ".join(
+        f"**{statistics.median(phases[l][k] for l in labels if l.startswith(side)):.4f}**" for k in names) + " |")
 PY
