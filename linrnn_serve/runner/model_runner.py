@@ -32,8 +32,8 @@ The persistent device batch (what lives on the device from step to step, indexed
 Per decode step only the ids the host knows, positions and slots cross the bus (one pinned copy), plus
 the block-table rows and slot parameters that changed. On the host, per slot: the owner's sequence id and its
 sampling kind (ROW_*: random, sorted, lasting logit edits, logprobs), so a step decides which sampling path
-runs with one numpy reduction over its slots, not a pass over its rows. Every other small upload (admission resets, prefix
-snapshot indices, eager prefill inputs, logit edits) goes through pinned memory too (inputs.to_device):
+runs with one numpy reduction over its slots, not a pass over its rows. Every other small upload (admission
+resets, prefix snapshot indices, eager prefill inputs, logit edits) goes through pinned memory too (inputs.to_device):
 none of the runner's uploads blocks the host (tests/test_overlap_gpu.py). Host staging buffers are double-buffered (two
 steps may be in flight); a buffer is rewritten only after the event of the step that used it.
 """
