@@ -461,6 +461,58 @@ def test_route_align_logits_matches_composition(poison_empty, M, E, top_k, extra
         router_fused.route_align_logits(torch.randn(2, E, device=DEV), E, 8, True, 8, torch.bfloat16)
 
 
+def _defined(logits, tw, ids, alignment, h, block_m):
+    """A router call's outputs, the alignment up to num_padded (entries past it are unspecified)."""
+    sorted_ids, expert_ids, num_padded = alignment
+    n = int(num_padded)
+    return [logits, tw, ids, sorted_ids[:n], expert_ids[:n // block_m], num_padded, h]
+
+
+TAILS = [router_fused.RouterTail(*t) for t in
+         [(False, False, False), (True, False, False), (True, True, False), (False, True, True), (True, True, True)]]
+
+
+def _tied_gate(E, extra, K, dtype, M):
+    """Gate rows with ties: rows 2i and 2i + 1 equal, so every row of logits has equal pairs among its top-k."""
+    w = torch.randn(E + extra, K, device=DEV) / math.sqrt(K)
+    w[1:E:2] = w[0:E - 1:2].clone()
+    return WeightTensor("dense", w.to(dtype))
+
+
+@pytest.mark.parametrize("M,E,top_k,block_m,warps,pair_blocks", [
+    (1, 64, 8, 8, 4, True), (3, 40, 8, 8, 8, True), (8, 64, 8, 8, 4, True), (2, 24, 3, 4, 8, True),
+    (3, 40, 6, 16, 4, False), (1, 32, 8, 8, 1, True)])
+def test_fused_router_tails_agree(poison_empty, M, E, top_k, block_m, warps, pair_blocks):
+    """Every RouterTail variant (rows replicated per warp, pair blocks from registers, 32-bit logit keys) gives
+    the same bytes as the first on tied logits (equal gate rows), and those are the naive ops' results with ties
+    taken by the lowest expert index; also as the separate route_align_logits launch."""
+    dtype, K = torch.bfloat16, 64
+    x = torch.randn(M, K, device=DEV).to(dtype)
+    gw = _tied_gate(E, 1, K, dtype, M)
+    shared = _weight(2 * 16, K, "dense", dtype)
+    cfg = gcfg.SkinnyConfig(8, 32, 2, warps)
+    outs = [router_fused.route_align(x, gw, E, top_k, True, block_m, cfg, shared_w13=shared, pair_blocks=pair_blocks,
+                                     tail=t) for t in TAILS]
+    logits, tw, ids, (sorted_ids, expert_ids, num_padded), h = outs[0]
+    p = torch.softmax(logits[:, :E].float(), -1)
+    same = p.gather(1, ids.long())[:, 1:] == p.gather(1, ids.long())[:, :-1]
+    assert same.any(), "the test needs ties in the top-k"
+    rw, rids = moe_naive.route(logits[:, :E], top_k, True)
+    assert torch.equal(p.gather(1, ids.long()), p.gather(1, rids))
+    assert (ids[:, 1:] > ids[:, :-1])[same].all()  # ties: lowest expert index first
+    exact = DEV == "cuda"  # the CPU interpreter's f32 -> bf16 cast truncates
+    assert torch.allclose(tw.float(), rw.to(dtype).float(), rtol=0 if exact else 2 ** -7, atol=0)
+    _assert_alignment(ids, ids.long(), E, block_m, pair_blocks, sorted_ids, expert_ids, num_padded)
+    ref = _defined(logits, tw, ids, (sorted_ids, expert_ids, num_padded), h, block_m)
+    for t, o in zip(TAILS[1:], outs[1:]):
+        assert all(torch.equal(a, b) for a, b in zip(_defined(*o, block_m), ref)), t
+    for t in TAILS if pair_blocks or M * top_k <= router_fused.LOGITS_MAX_PAIRS else ():
+        got = router_fused.route_align_logits(logits, E, top_k, True, block_m, dtype, pair_blocks=pair_blocks,
+                                              tail=t, num_warps=warps)
+        assert all(torch.equal(a, b) for a, b in zip(_defined(None, *got, None, block_m)[1:6], ref[1:6])), t
+    assert not skinny.tickets(x.device).any()
+
+
 def test_fused_router_rejects_bad_inputs():
     x = torch.randn(2, 32, device=DEV).to(torch.bfloat16)
     cfg = gcfg.SkinnyConfig(16, 32, 1)
@@ -539,6 +591,44 @@ def test_gpu_router_full_shape(poison_empty, M, pair_blocks):
     r_sorted, r_expert, r_n = moe_naive.moe_align_block_size(ids.long(), E, 16)
     assert int(num_padded) == r_n and torch.equal(sorted_ids[:r_n], r_sorted)
     assert torch.equal(expert_ids[: r_n // 16], r_expert) and (expert_ids[r_n // 16:] == -1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 4, 8])
+def test_gpu_router_tails_full_shape(poison_empty, M):
+    """35B shapes (E = 256 + the shared gate row, top-8, the shared expert's gate_up, pair blocks of 8), the engine's
+    tile config, tied gate rows: every RouterTail variant gives the bytes of the first, which are the naive ops'
+    (ties by lowest expert index); the default tail's graph replay == its eager call, byte for byte."""
+    dtype, H, E = torch.bfloat16, 2048, 256
+    dev = torch.device("cuda")
+    x = torch.randn(M, H, device=DEV).to(dtype)
+    gw = _tied_gate(E, 1, H, dtype, M)
+    shared = _weight(1024, H, "dense", dtype)
+    cfg = gcfg.router_config(M, E + 1 + 512, H, dev)
+
+    def call(t=None):
+        return router_fused.route_align(x, gw, E, 8, True, 8, cfg, shared_w13=shared, pair_blocks=True, tail=t)
+
+    outs = [_defined(*call(t), 8) for t in TAILS]
+    logits, tw, ids = outs[0][:3]
+    p = torch.softmax(logits[:, :E].float(), -1)
+    rw, rids = moe_naive.route(logits[:, :E], 8, True)
+    assert torch.equal(p.gather(1, ids.long()), p.gather(1, rids)) and torch.equal(tw, rw.to(dtype))
+    same = p.gather(1, ids.long())[:, 1:] == p.gather(1, ids.long())[:, :-1]
+    assert same.any() and (ids[:, 1:] > ids[:, :-1])[same].all()
+    r_sorted, r_expert, r_n = moe_naive.moe_pair_blocks(ids, 8)
+    assert torch.equal(outs[0][3], r_sorted) and torch.equal(outs[0][4], r_expert) and int(outs[0][5]) == r_n
+    assert rel_fro(logits, router_fused.naive_route_align(x, gw, E, 8, True, 8)[0]) <= 1e-2
+    for t, o in zip(TAILS[1:], outs[1:]):
+        assert all(torch.equal(a, b) for a, b in zip(o, outs[0])), t
+    eager = _defined(*call(), 8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(_defined(*captured, 8), eager))
+    assert not skinny.tickets(dev).any()
 
 
 @pytest.mark.gpu

@@ -20,6 +20,8 @@ tail with the expert-sorted alignment: 8.1 / 13 us per call at 1 / 8 rows (the G
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,24 +38,66 @@ from linrnn_kernels.gemv.skinny import (
     tickets,
 )
 from linrnn_kernels.moe.align import MAX_PAIR_BLOCK_TOKENS, max_padded_pairs, pair_blocks_tile
-from linrnn_kernels.moe.router import softmax_topk
+from linrnn_kernels.moe.router import logit_topk, softmax_topk
 
 MAX_PAIRS = 512  # rows x top_k routed in the single finishing program
 
 
 @triton.jit
 def _route_rows(lg_ptr, slg, w_ptr, ids_ptr, M, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.arange(0, BLOCK_M)
-    col = tl.arange(0, BLOCK_E)
+                ROUTE_M: tl.constexpr, REPLICAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                LOGIT_KEYS: tl.constexpr):
+    """Route rows [0, M) of the logits; returns (top_i [REPLICAS * ROUTE_M, BLOCK_K], row_ok). REPLICAS > 1:
+    every row is loaded and routed REPLICAS times (rows r and r + ROUTE_M are copies), so the tile has at least
+    one row per warp and its reductions stay inside a warp (a [1, 256] row spreads over every warp: each of its
+    ~10 reductions then goes through shared memory with two CTA barriers); only the first copy stores."""
+    r = tl.arange(0, REPLICAS * ROUTE_M)
+    rows = r % ROUTE_M
     m_ok = rows < M
+    col = tl.arange(0, BLOCK_E)
     logits = tl.load(lg_ptr + rows[:, None] * slg + col[None, :], mask=m_ok[:, None] & (col < E)[None, :],
                      other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-    top_w, top_i, slot = softmax_topk(logits, m_ok, col, TOP_K, RENORMALIZE, BLOCK_K)
-    out = rows[:, None] * TOP_K + slot[None, :]
-    omask = m_ok[:, None] & (slot < TOP_K)[None, :]
+    ACT: tl.constexpr = lg_ptr.dtype.element_ty
+    if LOGIT_KEYS and ACT.primitive_bitwidth == 16:
+        top_w, top_i, slot = logit_topk(logits, m_ok, col, ACT, TOP_K, RENORMALIZE, BLOCK_K)
+    else:
+        top_w, top_i, slot = softmax_topk(logits, m_ok, col, TOP_K, RENORMALIZE, BLOCK_K)
+    out = r[:, None] * TOP_K + slot[None, :]
+    omask = (r < M)[:, None] & (slot < TOP_K)[None, :]
     tl.store(w_ptr + out, top_w.to(w_ptr.dtype.element_ty), mask=omask)
     tl.store(ids_ptr + out, top_i, mask=omask)
+    return top_i, m_ok
+
+
+@triton.jit
+def _pair_blocks_regs(top_i, m_ok, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K: tl.constexpr,
+                      ROUTE_M: tl.constexpr, REPLICAS: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_M_ALIGN: tl.constexpr):
+    """align.pair_blocks_tile's output from the routed ids still in registers (no store / reload of the ids):
+    blocks b = n * BLOCK_K + j (token n's j-th pair, pair index n * TOP_K + j), tokens n < ROUTE_M."""
+    P = M * TOP_K
+    j = tl.arange(0, BLOCK_K)
+    ids = tl.where(m_ok[:, None] & (j < TOP_K)[None, :], top_i, -1)
+    if REPLICAS > 1:  # the copies are equal: any one of them
+        ids = tl.max(tl.reshape(ids, [REPLICAS, ROUTE_M, BLOCK_K]), axis=0)
+    n = tl.arange(0, ROUTE_M)
+    nj_ok = ids >= 0
+    pair_nj = n[:, None] * TOP_K + j[None, :]
+    e = tl.reshape(ids, [ROUTE_M * BLOCK_K])
+    b_pair = tl.reshape(pair_nj, [ROUTE_M * BLOCK_K])
+    b_tok = tl.arange(0, ROUTE_M * BLOCK_K) // BLOCK_K
+    b_ok = e >= 0
+    hit = (ids[None, :, :] == e[:, None, None]) & nj_ok[None, :, :]  # [blocks, token slots, k]
+    found = tl.max(hit.to(tl.int32), axis=2)
+    pairs = tl.where(found > 0, tl.sum(tl.where(hit, pair_nj[None, :, :], 0), axis=2), P)
+    earlier = tl.sum(tl.where(n[None, :] < b_tok[:, None], found, 0), axis=1)
+    tl.store(expert_ids_ptr + b_pair, tl.where(earlier == 0, e, -1), mask=b_ok)
+    tl.store(sorted_ptr + b_pair[:, None] * BLOCK_M_ALIGN + n[None, :], pairs, mask=b_ok[:, None])
+    if ROUTE_M < BLOCK_M_ALIGN:  # token slots past the tile: the sentinel
+        s = tl.arange(0, BLOCK_M_ALIGN)
+        tl.store(sorted_ptr + b_pair[:, None] * BLOCK_M_ALIGN + s[None, :], tl.zeros_like(s)[None, :] + P,
+                 mask=b_ok[:, None] & (s >= ROUTE_M)[None, :])
+    tl.store(num_padded_ptr, P * BLOCK_M_ALIGN)
 
 
 @triton.jit
@@ -94,16 +138,26 @@ def _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr
 
 
 @triton.jit
-def _align(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K: tl.constexpr, E, max_blocks,
-           BLOCK_M_ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr,
-           BLOCK_TOPK: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    """The routed pairs' alignment in this program: align.py's pair blocks or its expert-sorted blocks."""
-    if PAIR_BLOCKS:
-        pair_blocks_tile(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, BLOCK_P, BLOCK_TOPK,
-                         BLOCK_M_ALIGN)
+def _route_align_tail(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, E,
+                      max_blocks, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, ROUTE_M: tl.constexpr,
+                      REPLICAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                      BLOCK_M_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr,
+                      PAIR_BLOCKS: tl.constexpr, REG_ALIGN: tl.constexpr, LOGIT_KEYS: tl.constexpr):
+    """Routing of the logits, then the routed pairs' alignment: align.py's pair blocks (from the ids in
+    registers with REG_ALIGN, else reloaded) or its expert-sorted blocks."""
+    top_i, m_ok = _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, M, E, TOP_K, RENORMALIZE, ROUTE_M, REPLICAS, BLOCK_E,
+                              BLOCK_TOPK, LOGIT_KEYS)
+    if PAIR_BLOCKS and REG_ALIGN:
+        _pair_blocks_regs(top_i, m_ok, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, ROUTE_M, REPLICAS,
+                          BLOCK_TOPK, BLOCK_M_ALIGN)
     else:
-        _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M * TOP_K, E, max_blocks,
-                     BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
+        tl.debug_barrier()  # the ids' stores are visible to the whole program
+        if PAIR_BLOCKS:
+            pair_blocks_tile(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, BLOCK_P, BLOCK_TOPK,
+                             BLOCK_M_ALIGN)
+        else:
+            _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M * TOP_K, E, max_blocks,
+                         BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
 
 
 @triton.jit
@@ -114,7 +168,8 @@ def _router_program(pid_n, pid_k, n_tiles, n_split, x_ptr, sx, w_ptr, sw, ws_ptr
                     COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                    PAIR_BLOCKS: tl.constexpr):
+                    PAIR_BLOCKS: tl.constexpr, ROUTE_M: tl.constexpr, REPLICAS: tl.constexpr,
+                    REG_ALIGN: tl.constexpr, LOGIT_KEYS: tl.constexpr):
     ACT: tl.constexpr = x_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     m_ok = rows < M
@@ -135,10 +190,9 @@ def _router_program(pid_n, pid_k, n_tiles, n_split, x_ptr, sx, w_ptr, sw, ws_ptr
         finished = tl.atomic_add(tick_ptr + n_tiles, 1, sem="acq_rel", scope="gpu")
         if finished == n_tiles - 1:
             tl.debug_barrier()
-            _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, M, E, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_TOPK)
-            tl.debug_barrier()
-            _align(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, E, max_blocks,
-                   BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B, BLOCK_TOPK, PAIR_BLOCKS)
+            _route_align_tail(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+                              M, E, max_blocks, TOP_K, RENORMALIZE, ROUTE_M, REPLICAS, BLOCK_E, BLOCK_TOPK,
+                              BLOCK_M_ALIGN, BLOCK_P, BLOCK_B, PAIR_BLOCKS, REG_ALIGN, LOGIT_KEYS)
             tl.store(tick_ptr + n_tiles, 0)
 
 
@@ -151,7 +205,8 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                    COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
                    BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                   PDL: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+                   PDL: tl.constexpr, PAIR_BLOCKS: tl.constexpr, ROUTE_M: tl.constexpr, REPLICAS: tl.constexpr,
+                   REG_ALIGN: tl.constexpr, LOGIT_KEYS: tl.constexpr):
     if PDL:  # the next kernel may launch now; the GEMM tiles wait for the previous one (gdc_wait) after
         gdc_launch_dependents()  # issuing their first weight loads
     pid_n = tl.program_id(0)
@@ -170,11 +225,29 @@ def _router_kernel(x_ptr, sx, w_ptr, sw, ws_ptr, tick_ptr, lg_ptr, slg,
                         tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
                         M, NL, K, K_PER, E, max_blocks, TOP_K, RENORMALIZE, SPLIT_MAX, USE_DOT, COMPUTE,
                         BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P, BLOCK_B,
-                        EVEN_K, PDL, PAIR_BLOCKS)
+                        EVEN_K, PDL, PAIR_BLOCKS, ROUTE_M, REPLICAS, REG_ALIGN, LOGIT_KEYS)
+
+
+@dataclass(frozen=True)
+class RouterTail:
+    """How the finishing program routes and aligns (the same outputs either way): replicate: every row routed
+    in one warp (the rows copied until there is one per warp); reg_align: pair blocks from the ids in registers;
+    logit_keys: top-k on 32-bit keys of the 16-bit logits (router.logit_topk)."""
+    replicate: bool = False
+    reg_align: bool = False
+    logit_keys: bool = False
+
+    def constexprs(self, M: int, num_warps: int) -> dict:
+        route_m = triton.next_power_of_2(max(M, 1))
+        return dict(ROUTE_M=route_m, REPLICAS=max(1, num_warps // route_m) if self.replicate else 1,
+                    REG_ALIGN=self.reg_align, LOGIT_KEYS=self.logit_keys)
+
+
+DEFAULT_TAIL = RouterTail()
 
 
 def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormalize: bool, block_m: int,
-                cfg: SkinnyConfig, shared_w13=None, pair_blocks: bool = False):
+                cfg: SkinnyConfig, shared_w13=None, pair_blocks: bool = False, tail: RouterTail | None = None):
     """x [M, K], gate_w a dense WeightTensor [E (+ extra gate rows), K] ->
     (logits [M, NL] in x.dtype, topk_weights [M, k] in x.dtype, topk_ids [M, k] int32,
      (sorted_ids, expert_ids, num_padded) as align.moe_align_block_size(topk_ids, E, block_m), h);
@@ -236,7 +309,7 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, EVEN_K=K % cfg.block_k == 0,
             HAS_SHARED=shared_w13 is not None, PAIR_BLOCKS=pair_blocks,
-            num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
+            **(tail or DEFAULT_TAIL).constexprs(M, cfg.num_warps), num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
     else:
         num_padded.zero_()
         expert_ids.fill_(-1)
@@ -250,13 +323,14 @@ def _check_pair_blocks(pair_blocks: bool, M: int, block_m: int) -> None:
 
 @triton.jit
 def _route_align_kernel(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
-                        M, E, max_blocks, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        M, E, max_blocks, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, M, E, TOP_K, RENORMALIZE, BLOCK_M, BLOCK_E, BLOCK_TOPK)
-    tl.debug_barrier()
-    _align(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, E, max_blocks,
-           BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B, BLOCK_TOPK, PAIR_BLOCKS)
+                        BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+                        ROUTE_M: tl.constexpr, REPLICAS: tl.constexpr, REG_ALIGN: tl.constexpr,
+                        LOGIT_KEYS: tl.constexpr):
+    _route_align_tail(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, E,
+                      max_blocks, TOP_K, RENORMALIZE, ROUTE_M, REPLICAS, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P,
+                      BLOCK_B, PAIR_BLOCKS, REG_ALIGN, LOGIT_KEYS)
 
 
 # route_align_logits: one warp routes and aligns; on the H200 the 4-8-warp program took 10 / 26 / 79 us at
@@ -267,7 +341,8 @@ LOGITS_MAX_PAIRS = 8
 
 
 def route_align_logits(logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, block_m: int,
-                       weight_dtype: torch.dtype, pair_blocks: bool = False):
+                       weight_dtype: torch.dtype, pair_blocks: bool = False, tail: RouterTail | None = None,
+                       num_warps: int | None = None):
     """Routing and alignment from router logits [M, >= E] in one launch (single-warp up to M * top_k <=
     LOGITS_MAX_PAIRS, or pair_blocks): (topk_weights [M, k] in weight_dtype, topk_ids [M, k] int32, (sorted_ids,
     expert_ids, num_padded) as align.moe_align_block_size(topk_ids, E, block_m), or with pair_blocks (M <=
@@ -293,13 +368,13 @@ def route_align_logits(logits: torch.Tensor, num_experts: int, top_k: int, renor
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     starts = torch.empty(E, dtype=torch.int32, device=dev)
     if M:
-        block_mm = triton.next_power_of_2(M)
+        warps = num_warps or (1 if P <= LOGITS_MAX_PAIRS else 4)
         _route_align_kernel[(1,)](
             logits, logits.stride(0), topk_w, topk_ids, starts, sorted_ids, expert_ids, num_padded,
-            M, E, max_blocks, TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_M=block_mm,
+            M, E, max_blocks, TOP_K=top_k, RENORMALIZE=bool(renormalize),
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, PAIR_BLOCKS=pair_blocks,
-            num_warps=1 if P <= LOGITS_MAX_PAIRS else 4)
+            **(tail or DEFAULT_TAIL).constexprs(M, warps), num_warps=warps)
     else:
         num_padded.zero_()
         expert_ids.fill_(-1)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# #15 H3: the fused router at 1-8 rows. Device calls (repo root as cwd; the tree as it came is main, .gpu/$BR the
+# branch's overlay; every stage under `timeout`):
+#   bash tools/gpu_router.sh sweep   the overlay: tools/gpu_router.py --set sweep (the router alone at M = 1, 2, 4, 8,
+#                                    PDL off: the table's tile config with every RouterTail variant, other tiles with
+#                                    the new tails, the tail alone at 1 / 4 / 8 warps) -> $OUT/router/sweep/;
+#                                    then the router's GPU tests at 35B shapes
+#   bash tools/gpu_router.sh ab      main's tree: bench batched npl 1,8 (PDL on) and its PDL-off profile; then the
+#                                    overlay: the router's GPU tests, tools/gpu_router.py --set final (main's router vs
+#                                    the new default, PDL off), bench batched npl 1,8 (PDL on) and the PDL-off profile
+#                                    -> $OUT/router/
+. tools/device_env.sh >/dev/null
+R=${OUT:-/tmp/out}/router; mkdir -p $R
+BR=${BR:-small-decode}
+B="python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8 --no-progress"
+row() { grep -E "\| 128 \| 128 \||^profile:|launches|Error" "$@" | cut -c1-170 | head -8; }
+TESTS="tests/test_gemv_kernels.py -k router"
+case "$1" in
+sweep)
+  cp -r .gpu/$BR/. ./
+  timeout 170 python3 tools/gpu_router.py --set sweep --out $R/sweep > $R/sweep.log 2>&1
+  grep -E "^M=|compiled|COMPILE|Error" $R/sweep.log | cut -c1-200
+  timeout 50 python3 -m pytest -m gpu $TESTS -q -p no:cacheprovider -rfE > $R/tests.log 2>&1; tail -1 $R/tests.log
+  grep -E "FAILED|ERROR" $R/tests.log | head -5
+  ;;
+ab)
+  T=/tmp/rt; mkdir -p $T
+  timeout 80 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
+  LINRNN_PDL=0 timeout 70 $B --profile 1,8 --profile-top 40 --config 'model=qwen35moe-nvfp4,label=main LINRNN_PDL=0' \
+    --out $T/main_pdl0 > $R/main_pdl0.log 2>&1; row $R/main_pdl0.log; cp $T/main_pdl0/batched.md $R/main_pdl0.md
+  cp -r .gpu/$BR/. ./
+  timeout 45 python3 -m pytest -m gpu $TESTS -q -p no:cacheprovider -rfE > $R/tests.log 2>&1; tail -1 $R/tests.log
+  grep -E "FAILED|ERROR" $R/tests.log | head -5
+  timeout 60 python3 tools/gpu_router.py --set final --out $R/final > $R/final.log 2>&1
+  grep -E "^M=|compiled|COMPILE|Error" $R/final.log | cut -c1-200
+  timeout 70 $B --config "model=qwen35moe-nvfp4,label=$BR" --out $T/new > $R/new.log 2>&1; row $R/new.log
+  LINRNN_PDL=0 timeout 70 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR LINRNN_PDL=0" \
+    --out $T/new_pdl0 > $R/new_pdl0.log 2>&1; row $R/new_pdl0.log; cp $T/new_pdl0/batched.md $R/new_pdl0.md
+  grep -E "router|route" $R/main_pdl0.md $R/new_pdl0.md | cut -c1-170 | head -12
+  ;;
+esac
