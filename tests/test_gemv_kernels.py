@@ -323,7 +323,8 @@ fn = router_fused._router_kernel
 for dot, bm in [(0, 1), (1, 32)]:
     cex = dict(HAS_SHARED=dot == 0, TOP_K=8, RENORMALIZE=1, SPLIT_MAX=4, USE_DOT=dot, COMPUTE=tl.bfloat16, BLOCK_M=bm, BLOCK_N=16,
                BLOCK_K=256 if bm == 1 else 128, BLOCK_E=256, BLOCK_TOPK=8, BLOCK_M_ALIGN=16, BLOCK_P=max(16, bm * 8),
-               BLOCK_B=32, EVEN_K=1, PDL=1)
+               BLOCK_B=32, EVEN_K=1, PDL=1, PAIR_BLOCKS=dot == 0, ROUTE_M=min(bm, 8), REPLICAS=4 if bm == 1 else 1,
+               REG_ALIGN=dot == 0, LOGIT_KEYS=1)
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in cex:

@@ -44,6 +44,12 @@ SWEEP_CFGS = {1: [(1, 2048, 1, 8), (2, 2048, 1, 4), (2, 1024, 2, 4), (1, 1024, 2
               8: [(1, 2048, 1, 8), (2, 1024, 1, 8), (4, 512, 1, 8), (4, 256, 2, 4), (2, 512, 2, 8)]}
 
 
+def _diag_dot():
+    from linrnn_kernels.gemv.config import SkinnyConfig
+
+    return [SkinnyConfig(32, 256, 8, 4, 3, True), SkinnyConfig(16, 256, 4, 4, 3, True)]
+
+
 TAIL_ALONE = [(1, "base"), (4, "base"), (8, "base"), (4, "all"), (8, "all"), (4, "rep+reg")]
 
 
@@ -52,10 +58,18 @@ def variants(M: int, which: str):
     from linrnn_kernels.gemv import config as gcfg
     from linrnn_kernels.gemv.config import SkinnyConfig
 
+    if which == "final":  # the tree's default (main's or the branch's); on the branch also the plain tail
+        cfg = gcfg.router_config(M, E + 1 + NI, H, torch.device("cuda"))
+        out = [(f"default {cfg.astuple()}", cfg, None), ("diag: default without the shared gate_up", cfg, None)]
+        try:
+            from linrnn_kernels.moe.router_fused import RouterTail
+        except ImportError:  # main's tree
+            return out
+        out.append((f"plain tail RouterTail() {cfg.astuple()}", cfg, RouterTail()))
+        for c in _diag_dot() if M >= 4 else ():  # tensor-core tiles (rows padded to 16): numerics differ
+            out.append((f"diag: dot tiles {c.astuple()}", c, None))
+        return out
     t = tails()
-    if which == "final":
-        base = gcfg.router_config(M, E + 1 + NI, H, torch.device("cuda"))
-        return [(f"main-default {base.astuple()}", base, t["base"]), (f"new-default {base.astuple()}", base, None)]
     tuned = gcfg.router_config(M, E + 1 + NI, H, torch.device("cuda"))
     if H != 2048:  # --dry: small shapes
         tuned = SkinnyConfig(16, 64, 2, tuned.num_warps, 1, False)
@@ -79,11 +93,12 @@ class Inputs:
         self.w13 = [WeightTensor("dense", (torch.randn(2 * NI, H, device=dev) / H ** 0.5).to(bf))
                     for _ in range(COPIES)]
 
-    def call(self, i: int, cfg, tail):
+    def call(self, i: int, cfg, tail, shared: bool = True):
         from linrnn_kernels.moe import router_fused
 
-        return router_fused.route_align(self.x, self.gw[i], E, TOP_K, True, BLOCK_M_ALIGN, cfg, shared_w13=self.w13[i],
-                                        pair_blocks=True, tail=tail)
+        kw = {} if tail is None else {"tail": tail}  # main's route_align has no tail argument
+        return router_fused.route_align(self.x, self.gw[i], E, TOP_K, True, BLOCK_M_ALIGN, cfg,
+                                        shared_w13=None if shared is False else self.w13[i], pair_blocks=True, **kw)
 
 
 def flat(out) -> list[torch.Tensor]:
@@ -148,7 +163,7 @@ def _compile(args):
         inp = Inputs(M, dev)
         for name, cfg, tail in variants(M, which):
             try:
-                inp.call(0, cfg, tail)
+                inp.call(0, cfg, tail, "without the shared" not in name)
             except Exception as e:  # noqa: BLE001 - reported and skipped
                 errs.append(f"M={M} {name}: {type(e).__name__}: {str(e)[:300]}")
         if which == "sweep":
@@ -170,11 +185,11 @@ def dry(args) -> int:
         inp = Inputs(M, dev)
         ref = None
         for name, cfg, tail in variants(M, args.set):
-            out = inp.call(0, cfg, tail)
+            out = inp.call(0, cfg, tail, "without the shared" not in name)
             if ref is None:
                 check_naive(inp, out)
                 ref = flat(out)
-            print(M, name, all(torch.equal(a, b) for a, b in zip(flat(out), ref)), flush=True)
+            print(M, name, all(torch.equal(a, b) for a, b in zip(flat(out)[:6], ref[:6])), flush=True)
     return 0
 
 
@@ -210,16 +225,28 @@ def main() -> int:
         for name, cfg, tail in variants(M, args.set):
             row = {"M": M, "variant": name}
             try:
-                out = inp.call(0, cfg, tail)
+                shared = "without the shared" not in name
+                out = inp.call(0, cfg, tail, shared)
                 torch.cuda.synchronize()
-                if ref is None:
+                if not shared:
+                    same = all(torch.equal(a, b) for a, b in zip(flat(out)[:6], ref[:6]))
+                    row["check"] = "== first (no h)" if same else "DIFFERS"
+                elif ref is None:
                     check_naive(inp, out)
                     ref = [t.clone() for t in flat(out)]
                     row["check"] = "naive ok"
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        captured = inp.call(0, cfg, tail)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    same = all(torch.equal(a, b) for a, b in zip(flat(captured), ref))
+                    row["check"] += ", graph == eager" if same else ", GRAPH DIFFERS"
                 else:
                     same = all(torch.equal(a, b) for a, b in zip(flat(out), ref))
                     row["check"] = "== first" if same else "DIFFERS"
-                calls = [lambda i=i, cfg=cfg, tail=tail: inp.call(i % COPIES, cfg, tail) for i in range(CALLS)]
+                calls = [lambda i=i, cfg=cfg, tail=tail, shared=shared: inp.call(i % COPIES, cfg, tail, shared)
+                         for i in range(CALLS)]
                 row["us_call"] = 1000 * time_graph(calls, iters=20)
                 row["kernel_us"] = kernel_us(calls, "_router_kernel")
             except Exception as e:  # noqa: BLE001

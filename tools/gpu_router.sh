@@ -5,10 +5,10 @@
 #                                    PDL off: the table's tile config with every RouterTail variant, other tiles with
 #                                    the new tails, the tail alone at 1 / 4 / 8 warps) -> $OUT/router/sweep/;
 #                                    then the router's GPU tests at 35B shapes
-#   bash tools/gpu_router.sh ab      main's tree: bench batched npl 1,8 (PDL on) and its PDL-off profile; then the
-#                                    overlay: the router's GPU tests, tools/gpu_router.py --set final (main's router vs
-#                                    the new default, PDL off), bench batched npl 1,8 (PDL on) and the PDL-off profile
-#                                    -> $OUT/router/
+#   bash tools/gpu_router.sh ab      main's tree: bench batched npl 1,8 (PDL on); then the overlay: bench batched
+#                                    npl 1,8 (PDL on) with the profile at npl 1 and 8 (launches per step, kernel
+#                                    table), then tools/gpu_router.py --set final (the router alone, PDL off: the new
+#                                    default, the plain tail = main's kernel at 2-8 rows, diagnostics) -> $OUT/router/
 . tools/device_env.sh >/dev/null
 R=${OUT:-/tmp/out}/router; mkdir -p $R
 BR=${BR:-small-decode}
@@ -24,18 +24,15 @@ sweep)
   grep -E "FAILED|ERROR" $R/tests.log | head -5
   ;;
 ab)
+  # main's tree first (the "before"), then the overlay (the "after"); at most ~215 s in all
   T=/tmp/rt; mkdir -p $T
-  timeout 80 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
-  LINRNN_PDL=0 timeout 70 $B --profile 1,8 --profile-top 40 --config 'model=qwen35moe-nvfp4,label=main LINRNN_PDL=0' \
-    --out $T/main_pdl0 > $R/main_pdl0.log 2>&1; row $R/main_pdl0.log; cp $T/main_pdl0/batched.md $R/main_pdl0.md
+  timeout 72 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
+  cp $T/main/batched.md $R/main.md
   cp -r .gpu/$BR/. ./
-  timeout 45 python3 -m pytest -m gpu $TESTS -q -p no:cacheprovider -rfE > $R/tests.log 2>&1; tail -1 $R/tests.log
-  grep -E "FAILED|ERROR" $R/tests.log | head -5
-  timeout 60 python3 tools/gpu_router.py --set final --out $R/final > $R/final.log 2>&1
+  timeout 95 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR" --out $T/new \
+    > $R/new.log 2>&1; row $R/new.log; cp $T/new/batched.md $R/new.md
+  grep -E "_router_kernel|launches" $R/new.md | cut -c1-170 | head -6
+  timeout 45 python3 tools/gpu_router.py --set final --out $R/final > $R/final.log 2>&1
   grep -E "^M=|compiled|COMPILE|Error" $R/final.log | cut -c1-200
-  timeout 70 $B --config "model=qwen35moe-nvfp4,label=$BR" --out $T/new > $R/new.log 2>&1; row $R/new.log
-  LINRNN_PDL=0 timeout 70 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR LINRNN_PDL=0" \
-    --out $T/new_pdl0 > $R/new_pdl0.log 2>&1; row $R/new_pdl0.log; cp $T/new_pdl0/batched.md $R/new_pdl0.md
-  grep -E "router|route" $R/main_pdl0.md $R/new_pdl0.md | cut -c1-170 | head -12
   ;;
 esac

@@ -112,6 +112,20 @@ def router_config(M: int, N: int, K: int, device) -> SkinnyConfig:
     return over if over is not None else skinny_config(M, N, K, "dense", device)
 
 
+ROUTER_TAIL_DEFAULT = ("reg_align", "logit_keys")
+
+
+def router_tail(M: int) -> tuple[str, ...]:
+    """How the fused router's finishing program routes M rows (router_fused.RouterTail's fields that are on): the
+    table's router "tail" entry ({"M": "replicate,logit_keys", ...}, the first M key >= M), else
+    ROUTER_TAIL_DEFAULT."""
+    t = (_table(0, 0, "router") or {}).get("tail") or {}
+    for m, spec in sorted(((int(k), v) for k, v in t.items()), key=lambda kv: kv[0]):
+        if M <= m:
+            return tuple(v for v in spec.split(",") if v)
+    return ROUTER_TAIL_DEFAULT
+
+
 @functools.lru_cache(maxsize=8)
 def _load_table(path: str) -> dict:
     with open(path) as f:

@@ -17,10 +17,20 @@ pair_blocks (M <= block_m; what the MMA expert kernel takes at decode batches of
 pair blocks instead, one [P, M, k] comparison in registers after the top-k (no histogram, cumsum, ranks or
 fills, one global round trip): a shorter serial tail. H200, 35B layer in the engine at 7d0ac74, the router's
 tail with the expert-sorted alignment: 8.1 / 13 us per call at 1 / 8 rows (the GEMM part ~2 us).
+A single token's pair blocks need no comparison at all (block b = pair b, expert_ids = the ids).
+
+RouterTail (per M from tuned.json's router "tail", kernels/gemv/config.router_tail; the outputs are the same
+bytes either way): replicate: the logits tile gets one row per warp (rows copied), so its reductions stay in a
+warp (a single [1, 256] row otherwise spreads over all 4 warps: ~10 reductions through shared memory);
+reg_align: pair blocks from the ids in registers (no store + barrier + reload); logit_keys: the top-k on 32-bit
+keys of the 16-bit logits (router.logit_topk) instead of 64-bit keys of the probabilities. H200, the router
+alone at 35B shapes, PDL off (benchmarks/results/small_round6/): 6.1 -> 4.8 us at 1 row (replicate + keys),
+6.9 -> 5.9 at 2 rows and 8.5 -> 7.5 at 4 (reg_align + keys); 10.2 at 8 rows either way (the tail is not the
+long pole there).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -44,13 +54,14 @@ MAX_PAIRS = 512  # rows x top_k routed in the single finishing program
 
 
 @triton.jit
-def _route_rows(lg_ptr, slg, w_ptr, ids_ptr, M, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+def _route_rows(lg_ptr, slg, w_ptr, ids_ptr, ids2_ptr, M, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                 ROUTE_M: tl.constexpr, REPLICAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                LOGIT_KEYS: tl.constexpr):
+                LOGIT_KEYS: tl.constexpr, IDS_TWICE: tl.constexpr):
     """Route rows [0, M) of the logits; returns (top_i [REPLICAS * ROUTE_M, BLOCK_K], row_ok). REPLICAS > 1:
     every row is loaded and routed REPLICAS times (rows r and r + ROUTE_M are copies), so the tile has at least
     one row per warp and its reductions stay inside a warp (a [1, 256] row spreads over every warp: each of its
-    ~10 reductions then goes through shared memory with two CTA barriers); only the first copy stores."""
+    ~10 reductions then goes through shared memory with two CTA barriers); only the first copy stores.
+    IDS_TWICE: the ids are also stored to ids2_ptr."""
     r = tl.arange(0, REPLICAS * ROUTE_M)
     rows = r % ROUTE_M
     m_ok = rows < M
@@ -66,6 +77,8 @@ def _route_rows(lg_ptr, slg, w_ptr, ids_ptr, M, E, TOP_K: tl.constexpr, RENORMAL
     omask = (r < M)[:, None] & (slot < TOP_K)[None, :]
     tl.store(w_ptr + out, top_w.to(w_ptr.dtype.element_ty), mask=omask)
     tl.store(ids_ptr + out, top_i, mask=omask)
+    if IDS_TWICE:  # the ids also to ids2_ptr (a single token's pair blocks: its expert_ids)
+        tl.store(ids2_ptr + out, top_i, mask=omask)
     return top_i, m_ok
 
 
@@ -145,19 +158,30 @@ def _route_align_tail(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expe
                       PAIR_BLOCKS: tl.constexpr, REG_ALIGN: tl.constexpr, LOGIT_KEYS: tl.constexpr):
     """Routing of the logits, then the routed pairs' alignment: align.py's pair blocks (from the ids in
     registers with REG_ALIGN, else reloaded) or its expert-sorted blocks."""
-    top_i, m_ok = _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, M, E, TOP_K, RENORMALIZE, ROUTE_M, REPLICAS, BLOCK_E,
-                              BLOCK_TOPK, LOGIT_KEYS)
-    if PAIR_BLOCKS and REG_ALIGN:
-        _pair_blocks_regs(top_i, m_ok, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, ROUTE_M, REPLICAS,
-                          BLOCK_TOPK, BLOCK_M_ALIGN)
+    if PAIR_BLOCKS and ROUTE_M == 1:
+        # one token: block b is pair b, its only slot token 0 (the rest the sentinel), every expert its first
+        # pair: sorted_ids needs no ids at all and expert_ids are the ids (stored with them by _route_rows)
+        b = tl.arange(0, BLOCK_TOPK)
+        s = tl.arange(0, BLOCK_M_ALIGN)
+        tl.store(sorted_ptr + b[:, None] * BLOCK_M_ALIGN + s[None, :], tl.where(s[None, :] == 0, b[:, None], TOP_K),
+                 mask=(b < TOP_K)[:, None])
+        tl.store(num_padded_ptr, TOP_K * BLOCK_M_ALIGN)
+        _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, expert_ids_ptr, M, E, TOP_K, RENORMALIZE, ROUTE_M, REPLICAS,
+                    BLOCK_E, BLOCK_TOPK, LOGIT_KEYS, True)
     else:
-        tl.debug_barrier()  # the ids' stores are visible to the whole program
-        if PAIR_BLOCKS:
-            pair_blocks_tile(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, BLOCK_P, BLOCK_TOPK,
-                             BLOCK_M_ALIGN)
+        top_i, m_ok = _route_rows(lg_ptr, slg, tw_ptr, ids_ptr, ids_ptr, M, E, TOP_K, RENORMALIZE, ROUTE_M, REPLICAS,
+                                  BLOCK_E, BLOCK_TOPK, LOGIT_KEYS, False)
+        if PAIR_BLOCKS and REG_ALIGN:
+            _pair_blocks_regs(top_i, m_ok, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, ROUTE_M, REPLICAS,
+                              BLOCK_TOPK, BLOCK_M_ALIGN)
         else:
-            _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M * TOP_K, E, max_blocks,
-                         BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
+            tl.debug_barrier()  # the ids' stores are visible to the whole program
+            if PAIR_BLOCKS:
+                pair_blocks_tile(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, TOP_K, BLOCK_P, BLOCK_TOPK,
+                                 BLOCK_M_ALIGN)
+            else:
+                _align_pairs(ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M * TOP_K, E, max_blocks,
+                             BLOCK_M_ALIGN, BLOCK_E, BLOCK_P, BLOCK_B)
 
 
 @triton.jit
@@ -237,13 +261,22 @@ class RouterTail:
     reg_align: bool = False
     logit_keys: bool = False
 
+    @classmethod
+    def for_rows(cls, M: int) -> "RouterTail":
+        """The measured choice for M rows (kernels/gemv/config.router_tail: tuned.json's router "tail")."""
+        from linrnn_kernels.gemv.config import router_tail
+
+        names = router_tail(M)
+        unknown = set(names) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"router tail {names}: unknown {sorted(unknown)}")
+        return cls(**{n: True for n in names})
+
     def constexprs(self, M: int, num_warps: int) -> dict:
         route_m = triton.next_power_of_2(max(M, 1))
         return dict(ROUTE_M=route_m, REPLICAS=max(1, num_warps // route_m) if self.replicate else 1,
                     REG_ALIGN=self.reg_align, LOGIT_KEYS=self.logit_keys)
 
-
-DEFAULT_TAIL = RouterTail()
 
 
 def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormalize: bool, block_m: int,
@@ -309,7 +342,7 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, EVEN_K=K % cfg.block_k == 0,
             HAS_SHARED=shared_w13 is not None, PAIR_BLOCKS=pair_blocks,
-            **(tail or DEFAULT_TAIL).constexprs(M, cfg.num_warps), num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
+            **(tail or RouterTail.for_rows(M)).constexprs(M, cfg.num_warps), num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
     else:
         num_padded.zero_()
         expert_ids.fill_(-1)
@@ -374,7 +407,7 @@ def route_align_logits(logits: torch.Tensor, num_experts: int, top_k: int, renor
             M, E, max_blocks, TOP_K=top_k, RENORMALIZE=bool(renormalize),
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, PAIR_BLOCKS=pair_blocks,
-            **(tail or DEFAULT_TAIL).constexprs(M, warps), num_warps=warps)
+            **(tail or RouterTail.for_rows(M)).constexprs(M, warps), num_warps=warps)
     else:
         num_padded.zero_()
         expert_ids.fill_(-1)
