@@ -5,10 +5,12 @@
 #                                    PDL off: the table's tile config with every RouterTail variant, other tiles with
 #                                    the new tails, the tail alone at 1 / 4 / 8 warps) -> $OUT/router/sweep/;
 #                                    then the router's GPU tests at 35B shapes
-#   bash tools/gpu_router.sh ab      main's tree: bench batched npl 1,8 (PDL on); then the overlay: bench batched
-#                                    npl 1,8 (PDL on) with the profile at npl 1 and 8 (launches per step, kernel
-#                                    table), then tools/gpu_router.py --set final (the router alone, PDL off: the new
-#                                    default, the plain tail = main's kernel at 2-8 rows, diagnostics) -> $OUT/router/
+#   bash tools/gpu_router.sh ab      main's tree: bench batched npl 1,8 (PDL on); then the overlay:
+#                                    tools/gpu_router.py --set final (the router alone, PDL off: the new default, the
+#                                    plain tail = main's kernel at 2-8 rows, other tiles at 4 / 8 rows; table.json =
+#                                    tuned.json with a router tile replaced where another beat it by >= 0.5 us), then
+#                                    bench batched npl 1,8 (PDL on, with that table) with the profile at npl 1 and 8
+#                                    (launches per step, kernel table) -> $OUT/router/
 . tools/device_env.sh >/dev/null
 R=${OUT:-/tmp/out}/router; mkdir -p $R
 BR=${BR:-small-decode}
@@ -29,10 +31,11 @@ ab)
   timeout 72 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
   cp $T/main/batched.md $R/main.md
   cp -r .gpu/$BR/. ./
+  timeout 45 python3 tools/gpu_router.py --set final --out $R/final --pick-table $R/table.json > $R/final.log 2>&1
+  grep -E "^M=|compiled|COMPILE|PICK|Error" $R/final.log | cut -c1-200
+  [ -s $R/table.json ] && export LINRNN_SKINNY_TABLE=$R/table.json
   timeout 95 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR" --out $T/new \
     > $R/new.log 2>&1; row $R/new.log; cp $T/new/batched.md $R/new.md
   grep -E "_router_kernel|launches" $R/new.md | cut -c1-170 | head -6
-  timeout 45 python3 tools/gpu_router.py --set final --out $R/final > $R/final.log 2>&1
-  grep -E "^M=|compiled|COMPILE|Error" $R/final.log | cut -c1-200
   ;;
 esac
