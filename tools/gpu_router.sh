@@ -28,13 +28,13 @@ sweep)
 ab)
   # main's tree first (the "before"), then the overlay (the "after"); at most ~215 s in all
   T=/tmp/rt; mkdir -p $T
-  timeout 72 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
+  timeout 75 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
   cp $T/main/batched.md $R/main.md
   cp -r .gpu/$BR/. ./
   timeout 45 python3 tools/gpu_router.py --set final --out $R/final --pick-table $R/table.json > $R/final.log 2>&1
   grep -E "^M=|compiled|COMPILE|PICK|Error" $R/final.log | cut -c1-200
   [ -s $R/table.json ] && export LINRNN_SKINNY_TABLE=$R/table.json
-  timeout 95 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR" --out $T/new \
+  timeout 100 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR" --out $T/new \
     > $R/new.log 2>&1; row $R/new.log; cp $T/new/batched.md $R/new.md
   grep -E "_router_kernel|launches" $R/new.md | cut -c1-170 | head -6
   ;;
