@@ -5,7 +5,8 @@
 #                                    PDL off: the table's tile config with every RouterTail variant, other tiles with
 #                                    the new tails, the tail alone at 1 / 4 / 8 warps) -> $OUT/router/sweep/;
 #                                    then the router's GPU tests at 35B shapes
-#   bash tools/gpu_router.sh ab      main's tree: bench batched npl 1,8 (PDL on); then the overlay:
+#   bash tools/gpu_router.sh ab      main's tree: tools/gpu_router.py --set final (main's router alone, PDL off) and
+#                                    bench batched npl 1,8 (PDL on); then the overlay:
 #                                    tools/gpu_router.py --set final (the router alone, PDL off: the new default, the
 #                                    plain tail = main's kernel at 2-8 rows, other tiles at 4 / 8 rows; table.json =
 #                                    tuned.json with a router tile replaced where another beat it by >= 0.5 us), then
@@ -26,15 +27,19 @@ sweep)
   grep -E "FAILED|ERROR" $R/tests.log | head -5
   ;;
 ab)
-  # main's tree first (the "before"), then the overlay (the "after"); at most ~215 s in all
+  # main's tree first (the "before": the router alone with this tool, then bench batched), then the overlay (the
+  # "after"); ~400 s in all from a cold machine (main's first engine build compiles every kernel: ~75 s of it)
   T=/tmp/rt; mkdir -p $T
-  timeout 75 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
+  cp .gpu/$BR/tools/gpu_router.py tools/
+  timeout 60 python3 tools/gpu_router.py --set final --out $R/final_main > $R/final_main.log 2>&1
+  grep -E "^M=|compiled|COMPILE|Error" $R/final_main.log | cut -c1-200
+  timeout 160 $B --config 'model=qwen35moe-nvfp4,label=main' --out $T/main > $R/main.log 2>&1; row $R/main.log
   cp $T/main/batched.md $R/main.md
   cp -r .gpu/$BR/. ./
-  timeout 45 python3 tools/gpu_router.py --set final --out $R/final --pick-table $R/table.json > $R/final.log 2>&1
+  timeout 60 python3 tools/gpu_router.py --set final --out $R/final --pick-table $R/table.json > $R/final.log 2>&1
   grep -E "^M=|compiled|COMPILE|PICK|Error" $R/final.log | cut -c1-200
   [ -s $R/table.json ] && export LINRNN_SKINNY_TABLE=$R/table.json
-  timeout 100 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR" --out $T/new \
+  timeout 110 $B --profile 1,8 --profile-top 40 --config "model=qwen35moe-nvfp4,label=$BR" --out $T/new \
     > $R/new.log 2>&1; row $R/new.log; cp $T/new/batched.md $R/new.md
   grep -E "_router_kernel|launches" $R/new.md | cut -c1-170 | head -6
   ;;
