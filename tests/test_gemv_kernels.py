@@ -514,6 +514,20 @@ def test_fused_router_tails_agree(poison_empty, M, E, top_k, block_m, warps, pai
     assert not skinny.tickets(x.device).any()
 
 
+def test_router_tail_from_table(tmp_path, monkeypatch):
+    """The finishing program's variant per M: tuned.json's router "tail" (first M key >= M), else the default;
+    unknown names are an error."""
+    assert router_fused.RouterTail.for_rows(1) == router_fused.RouterTail(replicate=True, logit_keys=True)
+    assert router_fused.RouterTail.for_rows(5) == router_fused.RouterTail(reg_align=True, logit_keys=True)
+    table = tmp_path / "t.json"
+    table.write_text('{"router": {"max_m": 8, "tail": {"2": "", "4": "replicate,bogus"}}}')
+    monkeypatch.setenv("LINRNN_SKINNY_TABLE", str(table))
+    assert router_fused.RouterTail.for_rows(2) == router_fused.RouterTail()
+    assert gcfg.router_tail(9) == gcfg.ROUTER_TAIL_DEFAULT
+    with pytest.raises(ValueError, match="bogus"):
+        router_fused.RouterTail.for_rows(3)
+
+
 def test_fused_router_rejects_bad_inputs():
     x = torch.randn(2, 32, device=DEV).to(torch.bfloat16)
     cfg = gcfg.SkinnyConfig(16, 32, 1)

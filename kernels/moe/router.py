@@ -5,6 +5,7 @@ rounds of argmax-and-mask. The default is one token per single-warp program: eve
 then a warp shuffle. (16 tokens on 4 warps cost a flat ~51 us per call inside the 35B decode step on
 an H200: 18 dependent cross-warp reductions; the launch is on the decode critical path 40 times.)
 Ties pick the lowest expert index (torch.topk leaves the order of ties unspecified).
+logit_topk: the same results on 32-bit keys of 16-bit logits (the fused router's finishing program).
 """
 from __future__ import annotations
 
