@@ -10,6 +10,7 @@
 #                               # check,bench: bit-identity and the registry benchmark, old and new in one run)
 #   bash tools/gpu_final.sh K   # ~3 min: the KL gate on the GPU (default model, decode scoring, n_ctx 256): the
 #                               # default (fused) kernels vs the unfused ones at tau = inf, and tau = 16 vs the unfused
+#   bash tools/gpu_final.sh AH  # A without the grammar stage, then H
 #   bash tools/gpu_final.sh AKH # ~7 min: A without the grammar stage, then K, then H
 #   bash tools/gpu_final.sh H   # ~1 min: the CPU host-overhead benchmark (stubbed forward, no GPU) on this
 #                               # machine's 16 cores, where the core, the API server and 128 clients each get one
@@ -37,7 +38,7 @@ part_t() {
 }
 
 part_a() {
-  timeout 200 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,32,64,128 \
+  timeout 270 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,8,32,64,128 \
     --config "model=qwen35moe-nvfp4,label=nvfp4 f32" --config "model=qwen35moe-nvfp4,ssm-bf16-tau=16,label=nvfp4 tau=16" \
     --vllm-ref --profile 1,128 --no-progress --out $R/batched > $R/batched.log 2>&1
   el "batched done"; grep -E "^\| (PP|128)|^## |^profile" $R/batched/batched.md | head -40
@@ -80,9 +81,9 @@ part_b() {
 }
 
 part_h() {
-  CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 timeout 240 python3 -m linrnn_bench.host_overhead --batch 1,128 --tokens 256 \
-    --out $R/host_overhead > $R/host_overhead.log 2>&1
-  el "host overhead done"; cat $R/host_overhead/host_overhead.md
+  # the CPU host-overhead benchmark on this machine's 16 cores (tools/gpu_host.sh: three repeats, the step's phases)
+  OUT=$R/host timeout 150 bash tools/gpu_host.sh > $R/host.log 2>&1
+  el "host overhead done"; cat $R/host/gpu_host.md 2>/dev/null | head -30
   tar czf $OUT/final_h.tgz -C /tmp final
 }
 
@@ -105,6 +106,7 @@ case "${1:-A}" in
   B) part_b ;;
   H) part_h ;;
   K) part_k ;;
+  AH) SKIP_SO=1 part_a; part_h; rm -f $OUT/final_a.tgz $OUT/final_h.tgz; tar czf $OUT/final_ah.tgz -C /tmp final ;;
   AKH) SKIP_SO=1 part_a; part_k; part_h; rm -f $OUT/final_a.tgz $OUT/final_k.tgz $OUT/final_h.tgz
        tar czf $OUT/final_akh.tgz -C /tmp final ;;
   AG) part_a; OUT=$R bash tools/gpu_gdn_bf16.sh check,bench; el "gdn done"; rm -f $OUT/final_a.tgz
