@@ -24,7 +24,7 @@ bytes either way): replicate: the logits tile gets one row per warp (rows copied
 warp (a single [1, 256] row otherwise spreads over all 4 warps: ~10 reductions through shared memory);
 reg_align: pair blocks from the ids in registers (no store + barrier + reload); logit_keys: the top-k on 32-bit
 keys of the 16-bit logits (router.logit_topk) instead of 64-bit keys of the probabilities. H200, the router
-alone at 35B shapes, PDL off (benchmarks/results/small_round6/): 6.1 -> 4.8 us at 1 row (replicate + keys),
+alone at 35B shapes, PDL off (benchmarks/results/small_round6/): 6.1 -> 4.4 us at 1 row (replicate + keys + the single-token pair blocks),
 6.9 -> 5.9 at 2 rows and 8.5 -> 7.5 at 4 (reg_align + keys); 10.2 at 8 rows either way (the tail is not the
 long pole there).
 """
@@ -278,7 +278,6 @@ class RouterTail:
                     REG_ALIGN=self.reg_align, LOGIT_KEYS=self.logit_keys)
 
 
-
 def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormalize: bool, block_m: int,
                 cfg: SkinnyConfig, shared_w13=None, pair_blocks: bool = False, tail: RouterTail | None = None):
     """x [M, K], gate_w a dense WeightTensor [E (+ extra gate rows), K] ->
@@ -342,7 +341,8 @@ def route_align(x: torch.Tensor, gate_w, num_experts: int, top_k: int, renormali
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, EVEN_K=K % cfg.block_k == 0,
             HAS_SHARED=shared_w13 is not None, PAIR_BLOCKS=pair_blocks,
-            **(tail or RouterTail.for_rows(M)).constexprs(M, cfg.num_warps), num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
+            **(tail or RouterTail.for_rows(M)).constexprs(M, cfg.num_warps),
+            num_warps=cfg.num_warps, num_stages=pipeline_stages(cfg, x), **pdl_launch_kwargs(x))
     else:
         num_padded.zero_()
         expert_ids.fill_(-1)
