@@ -196,6 +196,26 @@ def test_sm90_compile_persistent(splits):
     assert atoms and all(".ADD" in a and ".F" not in a.replace(".E.", ".") for a in atoms), atoms
 
 
+@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
+@pytest.mark.parametrize("gated,split,maxnreg,wait", [(False, 2, 80, True), (False, 1, None, True), (True, 4, 80, False),
+                                                      (True, 1, None, False)])
+def test_sm90_compile_pdl_order(gated, split, maxnreg, wait):
+    """Programmatic dependent launch in the compiled kernel (sm_90): launch_dependents before any load; the down
+    kernel (wait) issues its first K step's code and scale loads before the grid dependency wait and no activation
+    load before it, and every exit follows a wait (an empty expert block's CTA too); the K loop is the one without
+    PDL (instructions, registers within the budget, no spills, no shared memory)."""
+    st = nvfp4_mma.pdl_order_stats(gated=gated, split=split, maxnreg=maxnreg, pdl_wait=wait, pdl_trigger=True)
+    plain = nvfp4_mma.pdl_order_stats(gated=gated, split=split, maxnreg=maxnreg, pdl_wait=False, pdl_trigger=False)
+    assert st["trigger_first"] and not plain["trigger_first"], (st, plain)
+    if wait:
+        assert st["weight_loads_before_wait"] == 2 and st["activation_loads_before_wait"] == 0, st
+        assert st["exits_without_wait"] == 0 and plain["waits"] == 0, (st, plain)
+    else:
+        assert st["waits"] == 0, st
+    assert st["loop_instructions"] == plain["loop_instructions"] and st["per_weight"] <= ipw_budget(8), (st, plain)
+    assert st["spill_ops"] == 0 and st["smem_ops_in_loop"] == 0 and st["regs"] <= (maxnreg or 64), st
+
+
 def test_split_k_fills_sms():
     assert nvfp4_mma.split_k(32, 8 * 16, 132) == 4  # B = 1 gate_up: 8 experts x 16 CTAs
     assert nvfp4_mma.split_k(8, 8 * 32, 132) == 2   # B = 1 down
@@ -390,6 +410,48 @@ def test_mma_pair_blocks_bit_identical(nan_buffers, B):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(yg, y0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 64, 256])
+def test_mma_pdl_bitwise_equal(nan_buffers, B):
+    """The launches chained with programmatic dependent launch (gate_up -> down -> combine) give the bits of the
+    plain launches, eager and in CUDA-graph replays, the output and the uncombined partials, with the gate_up
+    split-K reduced in the kernel or by its own launch; the oracle within tolerance; tickets back to 0."""
+    from linrnn_kernels.gemv.config import pdl_available
+
+    if not pdl_available(torch.device("cuda")):
+        pytest.skip("no PDL on this device")
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda", seed=7)
+    x = torch.randn(B, H, device="cuda").bfloat16()
+    topw, ids = naive.route(x.float() @ (torch.randn(E, H, device="cuda") * 0.02).t(), k, True)
+    topw = topw.bfloat16()
+    y0 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, pdl=False)
+    ref = naive.moe_experts(x, topw, ids, w13, w2)
+    assert float((y0.double() - ref.double()).norm() / ref.double().norm()) <= 1e-2
+    for kw in ({}, {"fused_reduce": False}, {"splits": (4, 2)}, {"splits": (1, 1)}):
+        base = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, pdl=False, **kw)
+        for _ in range(2):
+            assert torch.equal(experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, pdl=True, **kw), base), kw
+        p0 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, pdl=False, combine=False, **kw)
+        p1 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, pdl=True, combine=False, **kw)
+        assert torch.equal(p1.part, p0.part), kw
+    assert torch.equal(experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed), y0)  # the default
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, pdl=True)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, pdl=True)
+    for _ in range(3):
+        yg.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, y0)
+    assert not nvfp4_mma.tickets("cuda").any()
 
 
 @pytest.mark.gpu

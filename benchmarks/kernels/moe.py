@@ -434,6 +434,10 @@ MMA_CANDIDATES = {
     "row tiles of a block together": {"n_fastest": True},
     "one row tile of every block first": {"n_fastest": False},
     "persistent (both GEMMs in one launch)": {"persistent": True},
+    # programmatic dependent launch through gate_up -> down -> combine (nvfp4_mma.DEFAULT_PDL)
+    "PDL off": {"pdl": False},
+    "PDL on": {"pdl": True},
+    "PDL on 2 units budget 64": {"pdl": True, "units": 2, "maxnreg": 64},
 }
 
 

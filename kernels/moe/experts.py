@@ -303,7 +303,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
-                    n_fastest: bool | None = None, persistent: bool = False):
+                    n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -311,6 +311,10 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     n_fastest: run the row tiles of one expert block next to each other (default:
     for a GEMM without split-K up to N_FASTEST_MAX_MEAN_PAIRS pairs per expert). units (64-k units per K step) and
     maxnreg (ptxas's register budget, 0: its own choice): each from mma_tile where not given.
+    pdl: programmatic dependent launch through gate_up -> down -> combine (nvfp4_mma.pdl_default where not given):
+    gate_up lets the down kernel launch at once, whose CTAs load their expert ids and first weights while gate_up
+    drains and wait for it before reading h; the down kernel lets the combine (or the engine's shared-expert down
+    projection) launch the same way. Bitwise the same results.
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -324,6 +328,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     tile = mma_tile(P, E)
     units = units or (nvfp4_mma.DEFAULT_UNITS if persistent else tile[0])  # persistent: the compile-tested tile
     maxnreg = tile[1] if maxnreg is None else maxnreg
+    pdl = nvfp4_mma.pdl_default(x.device) if pdl is None else pdl
     sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
     if splits is None:
@@ -345,18 +350,23 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
             return Partials(part, top_k)
         gg.sum_reduce(part, out, group=top_k)
         return out
+    # the buffers first: an allocation (or a copy) between two launches would sit between PDL's two kernels
+    route_w = topk_weights.reshape(-1).contiguous()
+    part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
+    ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device) if s13 > 1 else None
+    # gate_up is launched without PDL (it reads the router's output), so the down kernel may read the alignment
+    # before its grid dependency wait (nvfp4_mma.launch)
     if s13 == 1:
-        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], n_fastest=order[0], **common, **cap)
+        nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], n_fastest=order[0],
+                         pdl_trigger=pdl, **common, **cap)
     else:
-        ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device)
         nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], h=h if fused_reduce else None,
-                         n_fastest=order[0], **common, **cap)
+                         n_fastest=order[0], pdl_trigger=pdl, **common, **cap)
         if not fused_reduce:
             gg.silu_mul_reduce(ws, h)
-    part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
-    nvfp4_mma.launch(h, p2, part, route_weights=topk_weights.reshape(-1).contiguous(), split=s2,
-                     groups=groups[1], n_fastest=order[1], **common, **cap)
+    nvfp4_mma.launch(h, p2, part, route_weights=route_w, split=s2, groups=groups[1], n_fastest=order[1],
+                     pdl_wait=pdl, pdl_trigger=pdl, **common, **cap)
     if not combine:
         return Partials(part, top_k)
-    gg.sum_reduce(part, out, group=top_k)
+    gg.sum_reduce(part, out, group=top_k, pdl=pdl)
     return out

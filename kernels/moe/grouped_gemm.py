@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from linrnn_kernels.gemv.skinny import gdc_wait
 from linrnn_kernels.quant import WeightTensor
 
 logger = logging.getLogger("linrnn_kernels.moe")
@@ -353,8 +354,11 @@ def _silu_mul_reduce_kernel(ws_ptr, stride_ws, stride_wr, out_ptr, stride_or, N,
 
 @triton.jit
 def _sum_reduce_kernel(part_ptr, stride_ps, stride_pr, out_ptr, stride_ot, N,
-                       GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_{j < GROUP} sum_s part[s, t * GROUP + j] (top-k combine), fixed order."""
+                       GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = sum_{j < GROUP} sum_s part[s, t * GROUP + j] (top-k combine), fixed order. PDL: launched with
+    programmatic dependent launch, waits for the previous kernel (which wrote part) before reading."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -608,9 +612,11 @@ def silu_mul_reduce(ws: torch.Tensor, out: torch.Tensor):
         ws, ws.stride(0), ws.stride(1), out, out.stride(0), n, SPLIT_K=split, BLOCK=block, num_warps=4)
 
 
-def sum_reduce(part: torch.Tensor, out: torch.Tensor, group: int):
+def sum_reduce(part: torch.Tensor, out: torch.Tensor, group: int, pdl: bool = False):
+    """out[t] = sum over the group's rows and the splits of part [split, rows, n]. pdl: launched with programmatic
+    dependent launch (the previous kernel may still run: it must have written nothing else this reads)."""
     split, rows, n = part.shape
     block = min(1024, triton.next_power_of_2(n))
     _sum_reduce_kernel[(rows // group, triton.cdiv(n, block))](
         part, part.stride(0), part.stride(1), out, out.stride(0), n,
-        GROUP=group, SPLIT_K=split, BLOCK=block, num_warps=4)
+        GROUP=group, SPLIT_K=split, BLOCK=block, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))

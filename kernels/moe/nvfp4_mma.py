@@ -35,9 +35,14 @@ issues all 8 loads (activations of both steps, the next steps' codes and scales)
 k_loop_stats "loads_before_mma"). Occupancy hides the serial loads at large batches; at B = 1 (about 4 CTAs per SM)
 it does not: round 3's B = 1 regression (benchmarks/results/kernels/moe/round4/).
 
-No programmatic dependent launch here: under PDL (launch_dependents, then a grid wait before the first load)
-the engine step measured slower on the H200 (2.382 vs 2.345 ms at npl 1, 4.433 vs 4.396 at npl 8;
-benchmarks/results/small_round4/), so it was removed.
+Programmatic dependent launch (pdl_trigger / pdl_wait of `launch`, chained by experts.moe_experts_mma): gate_up,
+launched plainly after the router, lets the down kernel launch at once (TRIGGER_NEXT); the down CTAs that find a
+free slot load their expert id, token ids and first K step's codes and scales (none written by gate_up) and only
+then wait for gate_up's grid (WAIT_PREV, before the first load of h), so the launch gap and the first weight round
+trip overlap gate_up's tail. The down kernel lets the combine (sum_reduce, or the engine's shared-expert down
+projection, both waiting before they read the partials) launch the same way. An earlier variant that waited
+before its first load (no weight prefetch, both kernels launched with PDL) measured slower in the engine
+(benchmarks/results/small_round4/).
 
 Gluon kernels do not run under TRITON_INTERPRET; `available()` says whether this path can run.
 """
@@ -58,6 +63,9 @@ try:  # Gluon ships with triton >= 3.5; the layout / mma_v2 API used here is the
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except ImportError:  # pragma: no cover
     HAVE_GLUON = False
+
+from linrnn_kernels.gemv.config import pdl_available
+from linrnn_kernels.gemv.skinny import gdc_launch_dependents, gdc_wait
 
 from linrnn_kernels.moe import nvfp4_layout as lay
 
@@ -202,7 +210,9 @@ if HAVE_GLUON:
             SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-            WCACHE: gl.constexpr, N_FASTEST: gl.constexpr):
+            WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr):
+        if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output)
+            gdc_launch_dependents()
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
         if N_FASTEST:  # the row tiles of one expert block run next to each other
@@ -216,7 +226,9 @@ if HAVE_GLUON:
                    sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
                    num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                    A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False)
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV)
+        if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
+            gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
     @gluon.jit
     def _gemm_tile(pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_os, stride_om,
@@ -226,7 +238,7 @@ if HAVE_GLUON:
                    SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                    DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                    GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                   WCACHE: gl.constexpr, SIGNAL: gl.constexpr):
+                   WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False):
         """Row tile pid_n (GROUPS groups of 16 * WARPS rows) x K split pid_k of expert block pid_m; SIGNAL: count
         the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent kernel's down tiles wait on it)."""
         expert = gl.load(expert_ids_ptr + pid_m)
@@ -235,7 +247,7 @@ if HAVE_GLUON:
                             out_ptr, stride_os, stride_om, sorted_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
                             num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                             A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                            TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL)
+                            TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV)
 
     @gluon.jit
     def _gemm_tile_body(expert, pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
@@ -245,7 +257,10 @@ if HAVE_GLUON:
                         SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                         DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                         GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr):
+                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr):
+        """WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
+        grid dependency wait (written by kernels that ended before the previous one began, or never), the
+        activations (the previous kernel's output) after it."""
         ROWS: gl.constexpr = 16 * WARPS
         BK: gl.constexpr = 64 * UNITS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -307,6 +322,8 @@ if HAVE_GLUON:
                 # flight while this one is decoded (the last loads read pack()'s slack, unused)
                 qa = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
                 sa = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
+                if WAIT_PREV:
+                    gdc_wait()
                 for k0 in range(u_lo * 64, k_end, 2 * BK):
                     qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
@@ -320,6 +337,8 @@ if HAVE_GLUON:
                     s_base += 2 * UNITS * 16
                     x_base += 2 * BK
             else:
+                if WAIT_PREV:
+                    gdc_wait()
                 for k0 in range(u_lo * 64, k_end, BK):
                     q = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
                     sw = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
@@ -479,6 +498,17 @@ def available(device=None) -> bool:
     return major == 9
 
 
+# Programmatic dependent launch through moe_experts_mma's chain (gate_up -> down -> combine), module docstring.
+DEFAULT_PDL = True
+
+
+def pdl_default(device) -> bool:
+    """Whether moe_experts_mma chains its launches with PDL: DEFAULT_PDL, unless LINRNN_MMA_PDL=0 or PDL is off or
+    unavailable (LINRNN_PDL=0, before sm_90, the CPU)."""
+    return (DEFAULT_PDL and os.environ.get("LINRNN_MMA_PDL", "1") != "0" and os.environ.get("LINRNN_PDL", "1") != "0"
+            and pdl_available(torch.device(device)))
+
+
 def split_k(k_units: int, programs: int, num_sms: int, per_sm: int = 2) -> int:
     """Smallest power-of-two split of the K units giving >= per_sm programs per SM (each split keeps
     >= 2 units), so B = 1-8 decode still fills the SMs."""
@@ -533,12 +563,16 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
-           n_fastest: bool = False, maxnreg: int | None = None):
+           n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
+           pdl_trigger: bool = False):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
     through tickets) and stores SiLU(gate) * up into h (no separate reduction launch). maxnreg: ptxas's
-    register budget (None: its own choice; see REGISTER_BUDGET_WHY)."""
+    register budget (None: its own choice; see REGISTER_BUDGET_WHY). Programmatic dependent launch (module
+    docstring): pdl_trigger lets the next kernel launch at once; pdl_wait launches this one with PDL, its expert ids,
+    token ids and first weights loaded before the grid dependency wait, so the previous kernel (the one whose
+    output x is) must have been launched without PDL, after those were written."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -569,7 +603,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         SPLIT_K=split, UNITS=units, WARPS=warps, EVEN_K=w.k % 64 == 0 and w.k == U * 64,
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
-        **_hint_consts(weight_hint), N_FASTEST=n_fastest, num_warps=warps, maxnreg=maxnreg)
+        **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
+        num_warps=warps, maxnreg=maxnreg, **({"launch_pdl": True} if pdl_wait else {}))
 
 
 # the persistent kernel holds both GEMMs' state (74 registers uncapped, 6 CTAs per SM); capped at 64 it
@@ -629,8 +664,9 @@ def launch_persistent(x: torch.Tensor, p13: lay.PackedNvfp4, p2: lay.PackedNvfp4
 def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
                     route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
-                    maxnreg: int | None = None):
-    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg as in launch); returns the CompiledKernel."""
+                    maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False):
+    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_* as in launch); returns the
+    CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
            "out_ptr": "*bf16" if (gated and split == 1) else "*fp32", "stride_os": "i32", "stride_om": "i32",
@@ -640,7 +676,8 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=route_weighted, SPLIT_K=split,
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
-                  FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False)
+                  FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
+                  WAIT_PREV=pdl_wait)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -739,6 +776,39 @@ def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
             "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
             "atomics": sum(1 for _, t in ins if re.search(r"\b(ATOMG|RED)\b", t)),
             "regs": int(res.group(1)) if res else None, "shared": k.metadata.shared}
+
+
+def pdl_order_stats(gated: bool = False, split: int = 2, units: int = DEFAULT_UNITS, prefetch: bool = DEFAULT_PREFETCH,
+                    maxnreg: int | None = 80, pdl_wait: bool = True, pdl_trigger: bool = True) -> dict:
+    """Where the grid dependency instructions sit in the kernel compiled for sm_90 (no GPU; evict-first weight loads,
+    so LDG.E.EF are weights and plain 16-byte LDG activations): `trigger_first` (launch_dependents, PREEXIT, before
+    any load), the weight / activation loads issued before the first grid dependency wait (ACQBULK), whether every
+    EXIT directly follows a wait, and the K loop's statistics (k_loop_stats)."""
+    import re
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return in_clean_process(__name__, "pdl_order_stats", gated=gated, split=split, units=units, prefetch=prefetch,
+                                maxnreg=maxnreg, pdl_wait=pdl_wait, pdl_trigger=pdl_trigger)
+    k = compile_offline(gated=gated, split=split, units=units, route_weighted=not gated, prefetch=prefetch,
+                        fused_reduce=gated and split > 1, weight_hint="evict_first", maxnreg=maxnreg,
+                        pdl_wait=pdl_wait, pdl_trigger=pdl_trigger)
+    body = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", _sass(k.asm["cubin"]))]
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", t) for t in body]
+    first_wait = next((i for i, t in enumerate(ops) if t.startswith("ACQBULK")), len(ops))
+    first_load = next(i for i, t in enumerate(ops) if t.startswith("LDG"))
+    trigger = next((i for i, t in enumerate(ops) if t.startswith("PREEXIT")), None)
+    before = ops[:first_wait]
+    weights_per_iter = 16 * 64 * units // 32 * (2 if prefetch else 1)
+    st = sass_loop_stats(k, "HMMA", weights_per_iter)
+    return {"trigger_first": trigger is not None and trigger < first_load,
+            "waits": sum(t.startswith("ACQBULK") for t in ops),
+            "weight_loads_before_wait": sum(t.startswith("LDG.E.EF") for t in before),
+            "activation_loads_before_wait": sum(bool(re.match(r"LDG\.E\.128\b", t)) for t in before),
+            "exits_without_wait": sum(1 for i, t in enumerate(ops) if t.startswith("EXIT")
+                                      and not (i and ops[i - 1].startswith("ACQBULK"))),
+            "per_weight": st["per_weight"], "loop_instructions": st["instructions"], "regs": st["regs"],
+            "spill_ops": st["spill_ops"], "smem_ops_in_loop": sum(v for o, v in st["ops"].items()
+                                                                   if o in ("STS", "LDS", "LDSM", "BAR", "STSM"))}
 
 
 def persistent_compile_stats(splits: tuple[int, int] = (1, 1)) -> dict:
