@@ -8,7 +8,8 @@
 #                                     2. the `moe` layer benchmark B = 1 .. 256 (default = PDL on), candidates PDL off (=
 #                                        main's launches), 2 units budget 64 with and without PDL, per-kernel profile
 #                                     3. the engine's graphs-on == graphs-off greedy test on NVFP4 A3B-shaped models
-#   bash tools/gpu_moe_r5.sh engine   bench batched --npl 1,8,128 (35B-A3B NVFP4 dummy, f32 state): PDL chain on (default,
+#   bash tools/gpu_moe_r5.sh engine   the layer benchmark (default, PDL off, 2 units budget 72; profile with PDL off), then
+#                                     bench batched --npl 1,8,128 (35B-A3B NVFP4 dummy, f32 state): PDL chain on (default,
 #                                     profile at npl 1), then off (LINRNN_MMA_PDL=0, main's launches); the engine test
 # Results under $OUT/moe_r5 (*.log, moe_*/, batched_*/).
 . tools/device_env.sh >/dev/null
@@ -33,6 +34,10 @@ layer)
     "${ENGINE_TESTS[@]}" > $R/engine.log 2>&1; el engine; tail -1 $R/engine.log
   ;;
 engine)
+  # the layer first: default (PDL on), PDL off (= main's launches), a 16-token tile at B = 256; profile with PDL off
+  timeout ${T_BENCH:-80} $MOE --mma-candidates "${CANDIDATES:-default,PDL off,2 units budget 72}" --out $R/moe2 > $R/moe2.log 2>&1; el moe
+  quiet < $R/moe2.log | grep -E "^\| [0-9]+ \| [0-9]+ \| [0-9.]+ \| [0-9]+ %|^- B=(1|64|256) " | head -12
+  grep -A9 "layer time per variant" $R/moe2/moe_*.md | tail -7
   timeout ${T_NEW:-80} $BB --profile 1 --profile-top 30 --out $R/batched_new > $R/batched_new.log 2>&1; el new
   grep -E "^\| 128 \| [0-9]+ \| " $R/batched_new/batched.md | cut -d"|" -f4,11; grep -E "nvfp4_mma" $R/batched_new/batched.md | head -2 | cut -c1-160
   LINRNN_MMA_PDL=0 timeout ${T_OLD:-70} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old

@@ -438,6 +438,7 @@ MMA_CANDIDATES = {
     "PDL off": {"pdl": False},
     "PDL on": {"pdl": True},
     "PDL on 2 units budget 64": {"pdl": True, "units": 2, "maxnreg": 64},
+    "2 units budget 72": {"units": 2, "maxnreg": 72},
 }
 
 
@@ -489,15 +490,25 @@ def mma_sweep(sets, inputs, k, args, cuda) -> dict:
 
 
 def profile_kernels(fn) -> dict:
-    """Device microseconds per kernel name over 20 replays of fn, divided by 20."""
+    """Device microseconds per kernel name over 20 replays of fn, divided by 20. The MMA chain's programmatic
+    dependent launch is off here (LINRNN_MMA_PDL=0): under PDL a kernel's span includes its wait for the previous
+    kernel, so the routed GEMMs' share would count gate_up's tail twice."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            fn()
+    before = os.environ.get("LINRNN_MMA_PDL")
+    os.environ["LINRNN_MMA_PDL"] = "0"
+    try:
+        fn()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+    finally:
+        if before is None:
+            os.environ.pop("LINRNN_MMA_PDL")
+        else:
+            os.environ["LINRNN_MMA_PDL"] = before
     times = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
@@ -640,7 +651,7 @@ def run(args) -> int:
             cells = [r.get("mma_sweep", {}).get(kk) for kk in keys]
             table += f"| {r['B']} | " + " | ".join(f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells) + " |\n"
     if args.profile:
-        table += "\n## Device time per kernel (us per layer call, torch.profiler, eager calls)\n\n"
+        table += "\n## Device time per kernel (us per layer call, torch.profiler, eager calls, the MMA chain's PDL off)\n\n"
         for r in rows:
             for v, prof in r.get("profile", {}).items():
                 items = prof.items() if isinstance(prof, dict) else []
