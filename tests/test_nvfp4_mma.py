@@ -229,6 +229,42 @@ def test_split_k_fills_sms():
     assert experts.mma_tile(8 * 256, 256) == experts.MMA_TILES[-1][1:]  # B = 256
 
 
+@pytest.mark.parametrize("fused_reduce,combine", [(True, True), (False, True), (True, False)])
+def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine):
+    """The launch order PDL relies on (recorded on the CPU with the launches stubbed): gate_up is launched plainly
+    (it reads the router's output) and only lets the next kernel start early; the down kernel waits (its pre-wait
+    loads read what was written before gate_up began) and triggers the combine, which waits; nothing is launched
+    between gate_up (or its separate reduction) and the down kernel. pdl=False: no PDL anywhere."""
+    E, H, I = 4, 128, 64
+    w13, w2 = _weights(E, H, I, "cpu", seed=9)
+    x = torch.randn(3, H).bfloat16()
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    topw = torch.rand(3, 2).bfloat16()
+    for pdl in (True, False):
+        log = []
+        monkeypatch.setattr(nvfp4_mma, "num_sms", lambda device: 132)
+        monkeypatch.setattr(nvfp4_mma, "launch", lambda x, w, out, **kw: log.append(
+            ("gate_up" if w.gated else "down", kw.get("pdl_wait", False), kw.get("pdl_trigger", False))))
+        monkeypatch.setattr(gg, "silu_mul_reduce", lambda ws, h: log.append(("silu_mul_reduce", False, False)))
+        monkeypatch.setattr(gg, "sum_reduce", lambda part, out, group, pdl=False: log.append(("sum_reduce", pdl, False)))
+        experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=(2, 1), fused_reduce=fused_reduce,
+                                combine=combine, pdl=pdl)
+        want = [("gate_up", False, pdl)] + ([] if fused_reduce else [("silu_mul_reduce", False, False)])
+        want += [("down", pdl, pdl)] + ([("sum_reduce", pdl, False)] if combine else [])
+        assert log == want, (pdl, log)
+
+
+def test_mma_pdl_default_off_without_cuda(monkeypatch):
+    """PDL for the chain needs sm_90+ and can be switched off alone (LINRNN_MMA_PDL=0) or with every PDL launch."""
+    assert not nvfp4_mma.pdl_default("cpu")
+    monkeypatch.setattr(nvfp4_mma, "pdl_available", lambda device: True)
+    assert nvfp4_mma.pdl_default("cpu") == nvfp4_mma.DEFAULT_PDL
+    for var in ("LINRNN_MMA_PDL", "LINRNN_PDL"):
+        monkeypatch.setenv(var, "0")
+        assert not nvfp4_mma.pdl_default("cpu")
+        monkeypatch.delenv(var)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only selection")
 def test_mma_path_not_selected_on_cpu():
     assert not nvfp4_mma.available()
