@@ -199,6 +199,15 @@ def test_decode_partition_major_order_is_bit_identical(poison_empty, kind, bv):
     run_decode(SMALL, B, kind, torch.float32, KERNEL_DEVICE, config=(bv, 2, "evict_first", "evict_first", None, True))
 
 
+@pytest.mark.parametrize("kind", ["bf16", "0.5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_bf16_mma_matches_reference(poison_empty, kind, dtype):
+    """The bf16 tile's Dk reductions as one MMA (DecodeConfig.bf16_mma; k and q split in three bf16 parts, so f32
+    activations keep f32 accuracy) vs the naive reference; f32 heads and unused slots as always."""
+    for bv in (16, 32):
+        run_decode(SMALL, 3, kind, dtype, KERNEL_DEVICE, config=(bv, 2, "evict_first", "evict_first", None, None, True))
+
+
 BLOCKED = dict(Hk=2, Hv=4, Dk=16, Dv=128)  # Dv = 2 blocks of the bf16 partition's layout (layout.py, W = 64)
 
 
@@ -274,7 +283,7 @@ from triton.compiler import ASTSource
 from linrnn_kernels.gdn import decode
 fn = decode._gdn_decode_kernel
 cex = dict(HV=32, GROUP=2, DK=128, DV=128, BV=64, LOAD_EVICT="evict_first", LOAD_CACHE="",
-           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False, BF16_BLOCK=64)
+           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False, PARTS=3, BF16_BLOCK=64, BF16_MMA=False)
 f32 = ("A_log", "dt_bias", "ssm_f32")
 i32 = ("head_is_bf16", "head_local", "state_indices")
 sig, consts, attrs = {}, {}, {}
@@ -420,6 +429,14 @@ def test_conv_decode_matches_reference(poison_empty, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_decode_full_shapes(poison_empty, B, kind, dtype):
     run_decode(FULL, B, kind, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [c for c in DECODE_SWEEP if len(c) > 6 and c[6]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_decode_bf16_mma_full_shapes(poison_empty, config, dtype):
+    """The tensor-core bf16 tile (real bf16 MMA: the interpreter runs it in f32) at 35B-A3B shapes, all-bf16."""
+    run_decode(FULL, 64, "bf16", dtype, "cuda", config=config)
 
 
 @pytest.mark.gpu

@@ -280,10 +280,9 @@ def _gdn_decode_kernel(
         if PARTS == 3:
             is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
                                               DK, DV)
-        else:  # one partition: its code only (registers sized for it), no dtype branch on a loaded flag
-            is_bf16 = PARTS == 2
-            base = slot.to(tl.int64) * (stride_bf16_slot if PARTS == 2 else stride_f32_slot) + \
-                tl.load(head_local + i_h).to(tl.int64) * (DK * DV)
+        else:  # all heads bf16: only their code (registers sized for it), no dtype branch on a loaded flag
+            is_bf16 = True
+            base = slot.to(tl.int64) * stride_bf16_slot + tl.load(head_local + i_h).to(tl.int64) * (DK * DV)
         if is_bf16:
             _bf16_head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
                               stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
@@ -349,7 +348,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
         nf, nb, B * nf * nv, Dk ** -0.5,
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major, BF16_BLOCK=bf16_block(Dv),
-        PARTS=(1 if nf else 0) + (2 if nb else 0), BF16_MMA=cfg.bf16_mma,
+        PARTS=2 if nf == 0 else 3, BF16_MMA=cfg.bf16_mma,
         **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return o
