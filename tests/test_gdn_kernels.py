@@ -199,15 +199,6 @@ def test_decode_partition_major_order_is_bit_identical(poison_empty, kind, bv):
     run_decode(SMALL, B, kind, torch.float32, KERNEL_DEVICE, config=(bv, 2, "evict_first", "evict_first", None, True))
 
 
-@pytest.mark.parametrize("kind", ["bf16", "0.5"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_bf16_mma_matches_reference(poison_empty, kind, dtype):
-    """The bf16 tile's Dk reductions as one MMA (DecodeConfig.bf16_mma; k and q split in three bf16 parts, so f32
-    activations keep f32 accuracy) vs the naive reference; f32 heads and unused slots as always."""
-    for bv in (16, 32):
-        run_decode(SMALL, 3, kind, dtype, KERNEL_DEVICE, config=(bv, 2, "evict_first", "evict_first", None, None, True))
-
-
 BLOCKED = dict(Hk=2, Hv=4, Dk=16, Dv=128)  # Dv = 2 blocks of the bf16 partition's layout (layout.py, W = 64)
 
 
@@ -283,7 +274,7 @@ from triton.compiler import ASTSource
 from linrnn_kernels.gdn import decode
 fn = decode._gdn_decode_kernel
 cex = dict(HV=32, GROUP=2, DK=128, DV=128, BV=64, LOAD_EVICT="evict_first", LOAD_CACHE="",
-           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False, PARTS=3, BF16_BLOCK=64, BF16_MMA=False)
+           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False, ALL_BF16=False, BF16_BLOCK=64)
 f32 = ("A_log", "dt_bias", "ssm_f32")
 i32 = ("head_is_bf16", "head_local", "state_indices")
 sig, consts, attrs = {}, {}, {}
@@ -305,6 +296,13 @@ consts[(list(fn.arg_names).index("PARTITION_MAJOR"),)] = True
 ttgir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ttgir"]
 print("MAJOR_CONVERTS", len(re.findall(r"convert_layout .*: tensor<128x64x", ttgir)))
+# all heads bf16: the kernel holds only the bf16 tile code
+consts[(list(fn.arg_names).index("PARTITION_MAJOR"),)] = False
+consts[(list(fn.arg_names).index("ALL_BF16"),)] = True
+ttgir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ttgir"]
+print("BF16_CONVERTS", len(re.findall(r"convert_layout .*: tensor<128x64x", ttgir)),
+      "F32_LOADS", len(re.findall(r"tt.load .*tensor<128x64x!tt.ptr<f32>", ttgir)))
 """
 
 
@@ -323,6 +321,8 @@ def test_decode_f32_tile_keeps_one_register_layout():
     assert "TILE_CONVERTS" in out.stdout, out.stderr[-2000:]
     assert out.stdout.split("TILE_CONVERTS")[1].split()[0] == "0", "the state tile changes register layout"
     assert out.stdout.split("MAJOR_CONVERTS")[1].split()[0] == "0", "partition-major: the tile changes layout"
+    assert out.stdout.split("BF16_CONVERTS")[1].split()[0] == "0", "all-bf16: the tile changes layout"
+    assert out.stdout.split("F32_LOADS")[1].split()[0] == "0", "the all-bf16 kernel still holds the f32 tile code"
 
 
 def test_decode_rejects_bad_inputs():
@@ -429,14 +429,6 @@ def test_conv_decode_matches_reference(poison_empty, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_decode_full_shapes(poison_empty, B, kind, dtype):
     run_decode(FULL, B, kind, dtype, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [c for c in DECODE_SWEEP if len(c) > 6 and c[6]])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_decode_bf16_mma_full_shapes(poison_empty, config, dtype):
-    """The tensor-core bf16 tile (real bf16 MMA: the interpreter runs it in f32) at 35B-A3B shapes, all-bf16."""
-    run_decode(FULL, 64, "bf16", dtype, "cuda", config=config)
 
 
 @pytest.mark.gpu

@@ -1,10 +1,10 @@
-"""GDN decode, bf16 state partition round 5 (issue #15 item 4): decode-kernel configs of kernels/gdn/decode.py
-(the tensor-core bf16 tile, `DecodeConfig.bf16_mma`, and register caps) against the kernel on main before this
-round (kernels/gdn/decode_main.py, placed there by tools/gpu_gdn_r5.sh), checked and then timed in one run.
+"""GDN decode, bf16 state partition round 5 (issue #15 item 4): kernels/gdn/decode.py ("new") against the kernel
+on main before this round (kernels/gdn/decode_main.py, placed there by tools/gpu_gdn_r5.sh), checked and then
+timed in one run (VARIANTS: add DecodeConfig overrides to sweep launch shapes).
 
   check   every variant vs the naive reference (fresh inputs, unused slots NaN-poisoned and untouched) at
           0 / 50 / 100 % f32 heads, and vs the main kernel bit for bit where it must be (all-f32 always; bf16
-          heads only without bf16_mma, whose Dk sums run in another order)
+          heads too with main's tile shapes)
   bench   us per layer call (CUDA-graph replays, state slots rotated over >= 256 MB: 2 calls per graph at
           B >= 64, as the registry benchmark), better of two interleaved passes, % of the copy bandwidth of
           the same run; B = 64, 128, 256, 32 at 0 / 50 / 100 % f32 heads
@@ -23,20 +23,14 @@ import sys
 import torch
 
 EF = "evict_first"
-# name: (module, DecodeConfig fields replacing decode_config's, or None for its default). 8-warp and [Dk, 128]
-# bf16 tiles run only all-bf16 (a hybrid launch would run its f32 tiles the same way); capped registers too
+# name: (module, DecodeConfig fields replacing decode_config's, or None for its default). The variants of the
+# round-5 sweep (tensor-core bf16 tiles, 8 warps, [Dk, 128], register caps: all measured slower) are kept in
+# benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on.
 VARIANTS = {
     "main": ("decode_main", None),
-    "parts": ("decode", None),
-    "mma": ("decode", dict(bf16_mma=True)),
-    "mma 64x8": ("decode", dict(bf16_mma=True, num_warps=8)),
-    "mma 64x8 r64": ("decode", dict(bf16_mma=True, num_warps=8, maxnreg=64)),
-    "mma 128x4": ("decode", dict(bf16_mma=True, bv=128)),
-    "mma 128x4 r128": ("decode", dict(bf16_mma=True, bv=128, maxnreg=128)),
-    "mma 128x8": ("decode", dict(bf16_mma=True, bv=128, num_warps=8)),
-    "mma 32x4": ("decode", dict(bf16_mma=True, bv=32)),
+    "new": ("decode", None),
 }
-HYBRID_OK = ("main", "parts", "mma")
+HYBRID_OK = ("main", "new")
 
 
 def call(name, q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx):
@@ -76,11 +70,10 @@ def check(names) -> list[str]:
             same = (torch.equal(o.view(ov), o_main.view(ov)) and f32_same
                     and torch.equal(bf.view(torch.int16), bm.view(torch.int16)))
             tol_o = 1e-5 if dtype == torch.float32 and f == 1.0 else 1e-2
-            # with main's tile shapes the f32 partition equals main's bit for bit (its code is main's), and so
-            # does everything without the tensor-core bf16 tile
+            # with main's tile shapes every output and state byte equals main's (the same tile code)
             main_tiles = not {"bv", "num_warps"} & set(VARIANTS[name][1] or {})
             ok = (e[0] <= tol_o and e[1] <= 1e-5 and e[2] <= 1e-2 and untouched and (f32_same or not main_tiles)
-                  and (same or not main_tiles or not (f == 1.0 or name == "parts")))
+                  and (same or not main_tiles))
             print(f"{'ok' if ok else 'FAIL'} {name} f32={f:.0%} B={B} act={str(dtype)[6:]}: vs naive o/f32/bf16 "
                   f"{e[0]:.1e}/{e[1]:.1e}/{e[2]:.1e} untouched={untouched}; f32 partition == main: {f32_same}; "
                   f"all == main: {same}", flush=True)
@@ -137,8 +130,8 @@ def bench(names, batches, fractions, iters, out) -> list[dict]:
             f32, bf, isb, loc = make_pools(mask, slots)
             # capped registers only matter for bf16-only launches (a hybrid launch spills its f32 tiles); the
             # bf16 options leave an all-f32 launch's kernel unchanged
-            run = [n for n in names if f == 0.0 or n in HYBRID_OK and not (f == 1.0 and n == "mma")]
-            run += [n + " queued" for n in ("main", "parts") if n in names and f != 0.5]
+            run = [n for n in names if f == 0.0 or n in HYBRID_OK]
+            run += [n + " queued" for n in ("main", "new") if n in names and f != 0.5]
             for _pass in range(2):  # better of two interleaved passes
                 for name in run:
                     base = name.removesuffix(" queued")

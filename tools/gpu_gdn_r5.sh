@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GDN decode, bf16 partition round 5 (issue #15 item 4): one device call (repo root as cwd; ~4 minutes, timeout_s 240).
+# GDN decode, bf16 partition round 5 (issue #15 item 4): one device call (repo root as cwd; ~2.5 minutes, timeout_s 240).
 # main's kernel (before this round) is benchmarks/results/kernels/gdn-decode/bf16_round5/variants/decode_main.py.txt,
 # placed as kernels/gdn/decode_main.py (sweep) or over kernels/gdn/decode.py (old registry run, then restored).
 #   tests  pytest -m gpu: the decode cases of tests/test_gdn_kernels.py (35B-A3B shapes, bf16 / hybrid / f32 vs the
@@ -7,7 +7,8 @@
 #          bit-identical to the all-f32 engine, prefill -> decode, padded rows)
 #   bench  the gdn-decode registry benchmark at B = 32..256 (all-f32, all-bf16, 50 % f32) for this tree ("new") and
 #          for main's kernel ("old") in this call, and the #15 target lines for both -> targets.log
-#   sweep  tools/gdn_r5_sweep.py: bf16 tile variants checked vs the naive reference and main, then timed against it
+#   sweep  tools/gdn_r5_sweep.py: this kernel checked vs the naive reference and main (bit for bit), then timed
+#          against main interleaved in one run, also with the graph's CPU launch off the clock ("queued")
 #   ncu    Nsight Compute (--clock-control none), one eager call each at B = 64: warp stall reasons per issued
 #          instruction, throughputs, occupancy -> ncu.txt
 #   bash tools/gpu_gdn_r5.sh [tests,bench,sweep,ncu]
@@ -60,7 +61,7 @@ if has ncu; then
   # each case: 3 eager calls (the first compiles), all profiled; the summary keeps the last of each
   timeout ${NCU_TIMEOUT:-30} $NCU --clock-control none -k regex:_gdn_decode_kernel --section SpeedOfLight \
     --section Occupancy --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-    python3 tools/gdn_r5_sweep.py --ncu-case "${NCU_CASES:-parts,0.0,64;main,1.0,64;mma,0.0,64}" > $R/ncu.txt 2>&1
+    python3 tools/gdn_r5_sweep.py --ncu-case "${NCU_CASES:-new,0.0,64;main,0.0,64;main,1.0,64}" > $R/ncu.txt 2>&1
   echo "ncu rc=$?"
   python3 - $R/ncu.txt <<'PY'
 import re, sys

@@ -47,11 +47,10 @@ C = 2 * HK * DK + HV * DV
 ACT = torch.bfloat16
 DEVICE = "cuda"
 L2_ROTATE_BYTES = 256 << 20
-# DecodeConfig tuples: (bv, num_warps[, load hint[, store hint[, maxnreg[, partition_major[, bf16_mma]]]]]])
+# DecodeConfig tuples: (bv, num_warps[, load hint[, store hint[, maxnreg[, partition_major]]]]])
 EF = "evict_first"
 DECODE_SWEEP = [(16, 2), (32, 4), (64, 4), (16, 2, EF, EF), (32, 2, EF, EF), (32, 4, EF, EF), (64, 4, EF, EF),
-                (64, 4, EF, ".cs"), (64, 4, ".cg", EF), (64, 4, EF, EF, 112), (64, 2, EF, EF), (128, 4, EF, EF),
-                (64, 4, EF, EF, None, None, True), (64, 8, EF, EF, None, None, True), (128, 4, EF, EF, None, None, True)]
+                (64, 4, EF, ".cs"), (64, 4, ".cg", EF), (64, 4, EF, EF, 112), (64, 2, EF, EF), (128, 4, EF, EF)]
 PREFILL_SWEEP = [{}, {"state_bv": 32}, {"state_bv": 64}, {"state_warps": 8}, {"state_stages": 3},
                  {"state_stages": 1}, {"wy_warps": 8}, {"output_bv": 32}, {"output_bv": 128, "output_warps": 8},
                  {"output_warps": 8}]

@@ -29,7 +29,10 @@ heads, which keep [Dk, Dv]). bf16_round/ records the other variants tried agains
 the persistent bf16 programs with the next tiles in flight (a register double buffer, a TMA pipeline): both
 slower on the H200 (TMA: 54.9-64.1 % of copy all-bf16 at B = 64-256), removed. bf16_round4/ the launch shapes tried
 on the blocked layout (register caps for 5-6 programs per SM, 8 warps, whole-head [Dk, 128] tiles, 2-4 tiles per
-program, one launch per partition, PDL): none faster than this kernel.
+program, one launch per partition, PDL): none faster than this kernel. With all heads bf16 the kernel holds only
+the bf16 tile code (ALL_BF16: 920 instead of 1688 sm_90 instructions, no branch on a loaded dtype flag): 1.4 % faster
+all-bf16 at B = 32-256, same bits; kernels with f32 heads compile as before (bf16_round5/, which also records Nsight
+Compute's view of the bf16 programs and the tensor-core bf16 tile, measured no faster and removed).
 """
 from __future__ import annotations
 
@@ -39,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 from linrnn_kernels.gdn.common import (
-    INTERPRET,
     check_pools,
     check_qkv,
     gates,
@@ -50,8 +52,6 @@ from linrnn_kernels.gdn.common import (
     state_tile_offsets,
 )
 from linrnn_kernels.gdn.layout import bf16_block
-
-_INTERPRET = tl.constexpr(INTERPRET)
 
 
 class DecodeConfig(NamedTuple):
@@ -65,7 +65,6 @@ class DecodeConfig(NamedTuple):
     store: str = ""
     maxnreg: int | None = None
     partition_major: bool | None = None
-    bf16_mma: bool = False
 
 
 @triton.jit
@@ -125,84 +124,6 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
 
 
 @triton.jit
-def _split3(x):
-    """x (f32) as three bf16 parts whose sum is x to f32 precision (hi, mid, lo; exact for bf16 x: mid = lo = 0)."""
-    hi = x.to(tl.bfloat16)
-    r = x - hi.to(tl.float32)
-    mid = r.to(tl.bfloat16)
-    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
-
-
-@triton.jit
-def _head_update_bf16_mma(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i_v,
-                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                          stride_a_tok, stride_b_tok, scale,
-                          HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                          BLOCK: tl.constexpr, LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr,
-                          STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
-    """_head_update for a bf16 tile with both Dk reductions (S^T k, S^T q) on the tensor cores: one
-    [16, DK] x [DK, BV] bf16 MMA whose rows are k and q raw, each split in three bf16 parts (products exact,
-    f32 accumulation; only the summation order differs from the FMA reductions). The bf16 tile is the MMA
-    operand as loaded, and is widened to f32 only for the update."""
-    o_k = tl.arange(0, DK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    offs = state_tile_offsets(i_v, BV, DK, DV, BLOCK)
-    base = base + state_tile_base(i_v, BV, DK, BLOCK)
-    ptrs = tl.max_contiguous(pool + base + offs, [1, 4])
-    s_raw = tl.load(ptrs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE)
-
-    b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
-    b_k = tl.load(k + i_b * stride_k_tok + i_hk * stride_k_head + o_k).to(tl.float32)
-    b_v = tl.load(v + i_b * stride_v_tok + i_h * stride_v_head + o_v).to(tl.float32)
-    g, beta = gates(tl.load(a + i_b * stride_a_tok + i_h), tl.load(b + i_b * stride_b_tok + i_h),
-                    tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32))
-    decay = tl.exp(g)
-    qq, kk, kq = tl.reduce((b_q * b_q, b_k * b_k, b_q * b_k), 0, _add3)
-    r_q = tl.rsqrt(qq + 1e-6) * scale
-    r_k = tl.rsqrt(kk + 1e-6)
-    k0, k1, k2 = _split3(b_k)
-    q0, q1, q2 = _split3(b_q)
-    rows = tl.arange(0, 16)[:, None]
-    zero = tl.zeros([16, DK], tl.bfloat16)
-    lhs = tl.where(rows == 0, k0[None, :], tl.where(rows == 1, k1[None, :], tl.where(rows == 2, k2[None, :], zero)))
-    lhs = tl.where(rows == 3, q0[None, :], tl.where(rows == 4, q1[None, :], tl.where(rows == 5, q2[None, :], lhs)))
-    if _INTERPRET:  # triton 3.9's interpreter multiplies bf16 dot operands as raw bits; f32 holds them exactly
-        acc = tl.dot(lhs.to(tl.float32), s_raw.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(lhs, s_raw, out_dtype=tl.float32)
-    sk = tl.sum(tl.where(rows < 3, acc, 0.0), 0)
-    sq = tl.sum(tl.where((rows >= 3) & (rows < 6), acc, 0.0), 0)
-    u = beta * (b_v - decay * r_k * sk)
-    b_o = decay * r_q * sq + (kq * r_k * r_q) * u
-    s = s_raw.to(tl.float32) * decay + (b_k * r_k)[:, None] * u[None, :]
-
-    tl.store(o + (i_b * HV + i_h) * DV + o_v, b_o.to(o.dtype.element_ty))
-    tl.store(ptrs, s.to(pool.dtype.element_ty), eviction_policy=STORE_EVICT,
-             cache_modifier=STORE_CACHE)
-
-
-@triton.jit
-def _bf16_head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i_v,
-                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                      stride_a_tok, stride_b_tok, scale,
-                      HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr,
-                      LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
-                      STORE_CACHE: tl.constexpr, MMA: tl.constexpr):
-    """A bf16 partition tile: the tensor-core reductions (MMA) or the FMA ones (_head_update)."""
-    if MMA:
-        _head_update_bf16_mma(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i_v,
-                              stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                              stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BLOCK, LOAD_EVICT, LOAD_CACHE,
-                              STORE_EVICT, STORE_CACHE)
-    else:
-        _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i_v,
-                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                     stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BLOCK, LOAD_EVICT, LOAD_CACHE,
-                     STORE_EVICT, STORE_CACHE)
-
-
-@triton.jit
 def _natural_head(head_is_bf16, head_local, j, IS_BF16: tl.constexpr, HV: tl.constexpr):
     """The natural head stored at index j of the bf16 (IS_BF16) or f32 partition: the inverse of the head
     map, from two [HV] loads and one in-warp reduction."""
@@ -220,7 +141,7 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
                        stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                        BF16_BLOCK: tl.constexpr, LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr,
-                       STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr, BF16_MMA: tl.constexpr):
+                       STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
     """Program p of one partition (B x n_heads x Dv tiles, Dv tiles fastest): the tile's address needs only
     the slot; the natural head (for q/k/v/gates) comes from the head map in parallel."""
     NV: tl.constexpr = DV // BV
@@ -230,16 +151,10 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
     i_b = (r // n_heads).to(tl.int64)
     base = tl.load(state_indices + i_b).to(tl.int64) * stride_slot + j.to(tl.int64) * (DK * DV)
     i_h = _natural_head(head_is_bf16, head_local, j, IS_BF16, HV)
-    if IS_BF16:
-        _bf16_head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
-                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                          stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
-                          STORE_EVICT, STORE_CACHE, BF16_MMA)
-    else:
-        _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
-                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                     stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, 0, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                     STORE_CACHE)
+    _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
+                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                 stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK if IS_BF16 else 0, LOAD_EVICT,
+                 LOAD_CACHE, STORE_EVICT, STORE_CACHE)
 
 
 @triton.jit
@@ -250,7 +165,7 @@ def _gdn_decode_kernel(
     stride_a_tok, stride_b_tok, stride_f32_slot, stride_bf16_slot,
     n_f32_heads, n_bf16_heads, n_f32_programs, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    PARTITION_MAJOR: tl.constexpr, PARTS: tl.constexpr, BF16_BLOCK: tl.constexpr, BF16_MMA: tl.constexpr,
+    PARTITION_MAJOR: tl.constexpr, ALL_BF16: tl.constexpr, BF16_BLOCK: tl.constexpr,
     LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
@@ -262,13 +177,13 @@ def _gdn_decode_kernel(
             _partition_program(pid, n_f32_heads, stride_f32_slot, ssm_f32, False, q, k, v, a, b, A_log, dt_bias, o,
                                head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
                                stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale, HV, GROUP,
-                               DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE, BF16_MMA)
+                               DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
         else:
             _partition_program(pid - n_f32_programs, n_bf16_heads, stride_bf16_slot, ssm_bf16, True, q, k, v, a, b,
                                A_log, dt_bias, o, head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head,
                                stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
                                scale, HV, GROUP, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                               STORE_CACHE, BF16_MMA)
+                               STORE_CACHE)
     else:
         i_v = pid % NV
         i_bh = pid // NV
@@ -277,17 +192,17 @@ def _gdn_decode_kernel(
         i_hk = i_h // GROUP  # consecutive value heads share a key head (SPEC §1.5.6)
         # the state tile's address first: two dependent tiny loads, and the tile is the bulk of the bytes
         slot = tl.load(state_indices + i_b)
-        if PARTS == 3:
-            is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
-                                              DK, DV)
-        else:  # all heads bf16: only their code (registers sized for it), no dtype branch on a loaded flag
+        if ALL_BF16:  # only the bf16 tile code is compiled (registers sized for it), no branch on a loaded flag
             is_bf16 = True
             base = slot.to(tl.int64) * stride_bf16_slot + tl.load(head_local + i_h).to(tl.int64) * (DK * DV)
-        if is_bf16:
-            _bf16_head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
-                              stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                              stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
-                              STORE_EVICT, STORE_CACHE, BF16_MMA)
+        else:
+            is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
+                                              DK, DV)
+        if is_bf16 != 0:
+            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
+                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
+                         STORE_EVICT, STORE_CACHE)
         else:
             _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
@@ -348,7 +263,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
         nf, nb, B * nf * nv, Dk ** -0.5,
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major, BF16_BLOCK=bf16_block(Dv),
-        PARTS=2 if nf == 0 else 3, BF16_MMA=cfg.bf16_mma,
+        ALL_BF16=nf == 0,
         **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return o
