@@ -22,7 +22,6 @@ import sys
 
 import torch
 
-EF = "evict_first"
 # name: (module, DecodeConfig fields replacing decode_config's, or None for its default). The variants of the
 # round-5 sweep (tensor-core bf16 tiles, 8 warps, [Dk, 128], register caps: all measured slower) are kept in
 # benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on.
@@ -158,7 +157,7 @@ def bench(names, batches, fractions, iters, out) -> list[dict]:
 
 
 def ncu_case(spec: str) -> None:
-    """One eager call per (variant, f32 fraction, B) after two warm-ups (ncu -k regex:_gdn_decode_kernel -s 2)."""
+    """Three eager calls per (variant, f32 fraction, B) (the first compiles), for ncu -k regex:_gdn_decode_kernel."""
     from linrnn_bench.kernels.gdn import head_mask, make_pools, make_step_inputs
 
     for case in spec.split(";"):
