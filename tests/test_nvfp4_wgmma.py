@@ -54,10 +54,28 @@ def test_sm90_compile_k_loop(gated, block_n, stages, warps, units):
     # per decoded weight (the fixed per-step work: barriers, cp.async of the activation tile, addresses) is
     # spread over 32 weights a thread per unit; measured 3.4-6.2 at these tiles
     assert st["per_weight"] <= 7.0, st
+    assert sum(st["ops_under_mma"].values()) == 0, st  # "rs": every wgmma is waited on right after issue
     # the gated 256-token tile at 8 warps: 255 registers, no spill. The down GEMM's 256-token tile (a 64 x 256
     # f32 accumulator per warpgroup) spills 48 ops with triton 3.6 at 4 and 8 warps (not with 3.9): a sweep
     # tile, never the default (64 tokens), so it is left out here
     assert st["regs"] <= 255, st
+
+
+@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
+@pytest.mark.parametrize("gated,block_n,stages,warps,units", [
+    (True, 64, 4, 8, 1), (False, 64, 4, 8, 1), (True, 64, 3, 8, 1), (False, 128, 3, 8, 1), (True, 64, 4, 4, 1)])
+def test_sm90_compile_k_loop_smem_operand(gated, block_n, stages, warps, units):
+    """Mode "ss" compiled for sm_90: the step's decode (all of its LOP3 / HMUL2) runs while the previous step's
+    wgmmas are in flight (between the last HGMMA and the next wgmma wait, around the back edge), the decoded tile
+    goes to shared memory by stmatrix only (no STS), both operands of the HGMMAs come from shared memory, no spills."""
+    st = nvfp4_wgmma.k_loop_stats(gated=gated, block_n=block_n, stages=stages, warps=warps, units=units, mode="ss")
+    ops, under = st["ops"], st["ops_under_mma"]
+    assert ops.get("HGMMA", 0) == 4 * units and ops.get("LOP3", 0) >= 24 * units, ops
+    for op in ("LOP3", "HMUL2", "PRMT", "STSM"):
+        assert under.get(op, 0) == ops.get(op, 0), (op, under, ops)
+    assert ops.get("STSM", 0) == 4 * units and "STS" not in ops, ops  # 32 bf16 a thread and unit, 4 x 8
+    assert st["convert_layouts"] == 2 * units and st["spill_ops"] == 0, st  # the prologue's decode and the loop's
+    assert st["per_weight"] <= 5.5, st  # measured 4.8-5.3 at these tiles (triton 3.6)
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -73,6 +91,9 @@ def nan_buffers(monkeypatch):
 # (tokens per block, warps per CTA, 64-k units per K step)
 TILES = [(64, 4, 1), (64, 8, 1), (64, 8, 2), (64, 16, 1), (64, 16, 2), (128, 8, 1), (128, 8, 2), (256, 4, 1),
          (256, 8, 1)]
+
+# mode "ss" (decoded tile in shared memory, double-buffered): the tiles whose shared memory fits at 3 and 4 stages
+SS_TILES = [(64, 4, 1), (64, 8, 1), (128, 8, 1)]
 
 
 def _err(y, ref):
@@ -94,12 +115,13 @@ def test_wgmma_matches_naive_qwen_shapes(nan_buffers, B):
     w13, w2 = _weights(E, H, I, "cuda")
     x, topw, ids = _routed(B, E, k, H, B)
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for block_n, warps, units in TILES:
-        y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n, warps=warps, units=units)
+    for (block_n, warps, units), mode in [(t, "rs") for t in TILES] + [(t, "ss") for t in SS_TILES]:
+        y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n, warps=warps, units=units,
+                                      mode=mode)
         assert not y.isnan().any()
         # the same exactly dequantized weights; only the summation order and the bf16 rounding of
-        # the SiLU * up intermediate differ
-        assert _err(y, ref) <= 1e-2, (block_n, warps, units, _err(y, ref))
+        # the SiLU * up intermediate (and of the down partials, experts.WGMMA_BF16_PARTIALS) differ
+        assert _err(y, ref) <= 1e-2, (block_n, warps, units, mode, _err(y, ref))
 
 
 @pytest.mark.gpu
@@ -112,15 +134,15 @@ def test_wgmma_default_model_shapes(nan_buffers, B):
     w13, w2 = _weights(E, H, I, "cuda", seed=5)
     x, topw, ids = _routed(B, E, k, H, B)
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for block_n, warps, units in TILES:
+    for (block_n, warps, units), mode in [(t, "rs") for t in TILES] + [(t, "ss") for t in SS_TILES]:
         if not (nvfp4_wgmma.supports(w13.packed, warps) and nvfp4_wgmma.supports(w2.packed, warps)):
             continue
         for stages in (3, 4):  # 4 stages at 2 units: a 2-step prologue for 1 K step
             y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n, stages=stages,
-                                          warps=warps, units=units)
+                                          warps=warps, units=units, mode=mode)
             torch.cuda.synchronize()
             assert not y.isnan().any()
-            assert _err(y, ref) <= 1e-2, (block_n, stages, warps, units, _err(y, ref))
+            assert _err(y, ref) <= 1e-2, (block_n, stages, warps, units, mode, _err(y, ref))
 
 
 @pytest.mark.gpu
@@ -134,12 +156,13 @@ def test_wgmma_skewed_loads(nan_buffers):
     x = torch.randn(ids.shape[0], H, device="cuda").bfloat16()
     topw = torch.rand(ids.shape[0], 1, device="cuda").bfloat16()
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for block_n, warps, units in TILES:
+    for (block_n, warps, units), mode in [(t, "rs") for t in TILES] + [(t, "ss") for t in SS_TILES]:
         for stages in (3, 4):
+            bf16p = stages == 4  # both dtypes of the down partials on every tile
             y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n, stages=stages,
-                                          warps=warps, units=units)
+                                          warps=warps, units=units, mode=mode, bf16_partials=bf16p)
             assert not y.isnan().any()
-            assert _err(y, ref) <= 1e-2, (block_n, stages, warps, units, _err(y, ref))
+            assert _err(y, ref) <= 1e-2, (block_n, stages, warps, units, mode, bf16p, _err(y, ref))
 
 
 @pytest.mark.gpu

@@ -204,15 +204,17 @@ def ours_mma_any(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     return experts.moe_experts_mma(x, topw, ids, a.packed, b.packed)
 
 
-def ours_wgmma(block_n=None, warps=None, units=None, stages=None, proxy_fence=True):
+def ours_wgmma(block_n=None, warps=None, units=None, stages=None, proxy_fence=True, mode=None, bf16p=None):
     """The wide-token wgmma prefill kernel (nvfp4_wgmma.py) at any batch, `block_n` tokens per expert block
-    (None: experts.wgmma_block_n's choice): the sweep that places experts.WGMMA_MIN_MEAN_PAIRS."""
+    (None: experts.wgmma_block_n's choice): the sweep that places experts.WGMMA_MIN_MEAN_PAIRS. mode: the K loop
+    schedule (nvfp4_wgmma.MODES), bf16p: bf16 down partials on / off (None: the defaults)."""
     def fn(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
         topw, ids = router.route(logits, top_k, True)
         a, b = with_packed(w13, w2)
+        opts = {k: v for k, v in (("warps", warps), ("units", units), ("stages", stages), ("mode", mode),
+                                  ("bf16_partials", bf16p)) if v is not None}
         return experts.moe_experts_wgmma(x, topw.to(x.dtype), ids, a.packed, b.packed, block_n=block_n,
-                                         proxy_fence=proxy_fence,
-                                         **{k: v for k, v in (("warps", warps), ("units", units), ("stages", stages)) if v})
+                                         proxy_fence=proxy_fence, **opts)
     return fn
 
 
@@ -235,6 +237,10 @@ VARIANTS = {
        for n in (64, 128, 256) for w in (4, 8, 16) for u in (1, 2) for st in (3, 4, 6) if 4 * w <= n},
     # experiment: without the proxy fence before the wgmma (is its MEMBAR draining the cp.async ring?)
     **{f"nvfp4/wgmma-n64-w8-u{u}-nf": ("nvfp4", ours_wgmma(64, 8, u, 4, False)) for u in (1, 2)},
+    # round 2: the K loop schedule (nvfp4_wgmma.MODES) and the down partials' dtype (-f32 / -b16)
+    **{f"nvfp4/wgmma-n{n}-w{w}-u{u}-s{st}-{m}-{d}": ("nvfp4", ours_wgmma(n, w, u, st, True, m, d == "b16"))
+       for n in (64, 128) for w in (4, 8) for u in (1, 2) for st in (3, 4) for m in ("rs", "ss")
+       for d in ("f32", "b16") if 4 * w <= n},
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),

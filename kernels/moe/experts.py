@@ -196,6 +196,11 @@ def _wgmma_prefill(x: torch.Tensor, num_pairs: int, num_experts: int, w13: Weigh
             and nvfp4_wgmma.supports(w13.packed) and nvfp4_wgmma.supports(w2.packed))
 
 
+# The wgmma path's down GEMM writes its per-pair outputs [pairs, H] in bf16 for the top-k combine (f32 sums of the
+# bf16 values, fixed order; as vLLM's fused MoE does): at 8192 tokens the f32 partials are 537 MB written and read
+WGMMA_BF16_PARTIALS = True
+
+
 def wgmma_block_n(num_pairs: int, num_experts: int) -> int:
     """Tokens per expert block of the wgmma kernel: 64 at every measured size (see nvfp4_wgmma.DEFAULT_BLOCK_N)."""
     return nvfp4_wgmma.DEFAULT_BLOCK_N
@@ -205,11 +210,15 @@ def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
                       out: torch.Tensor | None = None, block_n: int | None = None,
                       stages: int = nvfp4_wgmma.DEFAULT_STAGES, warps: int = nvfp4_wgmma.DEFAULT_WARPS,
                       units: int = nvfp4_wgmma.DEFAULT_UNITS, proxy_fence: bool = True,
+                      mode: str = nvfp4_wgmma.DEFAULT_MODE, bf16_partials: bool = WGMMA_BF16_PARTIALS,
                       alignment: Alignment | None = None,
                       combine: bool = True):
     """The prefill path on Hopper: NVFP4 experts repacked as MMA fragments (the decode path's layout),
     expert blocks of 64-256 tokens on async wgmma (nvfp4_wgmma.py). x [T, H] bf16 in natural k order;
-    it is k-permuted once here, and the gate_up kernel writes h in that order for the down kernel."""
+    it is k-permuted once here, and the gate_up kernel writes h in that order for the down kernel.
+    mode: the K loop's schedule (nvfp4_wgmma.MODES). bf16_partials: the down GEMM's
+    [pairs, H] per-pair outputs in bf16 (half the bytes written and read by the top-k combine, which still adds
+    them in f32 in a fixed order); f32 where the caller takes the uncombined Partials."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
     E = p13.codes.shape[0]
@@ -220,10 +229,12 @@ def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     block_n = block_n or wgmma_block_n(P, E)
     sorted_ids, expert_ids = aligned(topk_ids, E, block_n, alignment)
     common = dict(num_rows=P, num_m_blocks=expert_ids.numel(), sorted_ids=sorted_ids, expert_ids=expert_ids,
-                  block_n=block_n, stages=stages, warps=warps, units=units, proxy_fence=proxy_fence)
+                  block_n=block_n, stages=stages, warps=warps, units=units, proxy_fence=proxy_fence,
+                  mode=mode)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     nvfp4_wgmma.launch(nvfp4_wgmma.permute_k(x), p13, h, a_row_div=top_k, **common)
-    part = gg.alloc(1, P, H, dtype=torch.float32, device=x.device)
+    part_dtype = torch.bfloat16 if bf16_partials and combine else torch.float32
+    part = gg.alloc(1, P, H, dtype=part_dtype, device=x.device)
     nvfp4_wgmma.launch(h, p2, part[0], route_weights=topk_weights.reshape(-1).contiguous(), **common)
     if not combine:
         return Partials(part, top_k)

@@ -772,8 +772,15 @@ def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
     body = [t for a, t in ins if lo <= a <= hi]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
     first_mma = next(i for i, t in enumerate(body) if mma_op in t)
+    # wgmma kernels: the loop's work issued while its wgmmas run (from the last one, around the back edge, to the
+    # next wgmma wait)
+    last = max(i for i, t in enumerate(body) if mma_op in t)
+    after = body[last + 1:] + body[:last + 1]
+    wait = next((i for i, t in enumerate(after) if "WARPGROUP.DEPBAR" in t), 0)
+    in_flight = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in after[:wait])
     res = re.search(r"REG:(\d+)", _sass(k.asm["cubin"], "-res-usage"))
     return {"instructions": len(body), "per_weight": len(body) / weights_per_iter, "ops": dict(ops),
+            "ops_under_mma": dict(in_flight),
             "loads_before_mma": sum(1 for t in body[:first_mma] if re.search(r"\bLDG\b", t)),
             "spill_ops": sum(1 for _, t in ins if re.search(r"\b(STL|LDL)\b", t)),
             "atomics": sum(1 for _, t in ins if re.search(r"\b(ATOMG|RED)\b", t)),

@@ -57,6 +57,13 @@ DEFAULT_BLOCK_N = 64
 DEFAULT_STAGES = 4
 DEFAULT_WARPS = 8
 DEFAULT_UNITS = 2
+# K loop schedules: "rs" decode -> wgmma on the register operand -> wait (only other CTAs on the SM overlap a CTA's
+# decode with MMAs); "ss" the decoded tile stored to shared memory (double-buffered) and both wgmma operands read
+# there, so the next step's decode runs under the in-flight wgmmas. Issuing the next decode between a register-operand
+# wgmma and its wait (tried) does not overlap: ptxas sinks the pure decode below the wait (0 decode ops under the
+# MMA in the sm_90 SASS), the shared-memory store ahead of the wait is what keeps it there.
+MODES = ("rs", "ss")
+DEFAULT_MODE = "rs"
 
 
 def permute_k(x: torch.Tensor) -> torch.Tensor:
@@ -73,40 +80,67 @@ def unpermute_k(x: torch.Tensor) -> torch.Tensor:
 
 if nvfp4_mma.HAVE_GLUON:
     @gluon.jit
-    def _k_step(i, acc, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, sel, a_op: gl.constexpr,
-                raw: gl.constexpr, sraw: gl.constexpr, STAGES: gl.constexpr, UNITS: gl.constexpr,
-                WARPS: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, DECODE: gl.constexpr,
-                CONSTRAINTS: gl.constexpr, PROXY_FENCE: gl.constexpr):
-        """K step i: refill the ring STAGES - 2 steps ahead, decode this step's codes in registers, issue its
-        wgmmas (async; the caller waits)."""
-        # step i landed (this thread's copies), then every thread's; every warp is past the wgmma wait that
-        # retires step i - 2, so stage (i - 2) % STAGES is free to refill
+    def _stage_decode(j, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, sel, a_op: gl.constexpr,
+                      raw: gl.constexpr, sraw: gl.constexpr, STAGES: gl.constexpr, UNITS: gl.constexpr,
+                      WARPS: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr, DECODE: gl.constexpr,
+                      CONSTRAINTS: gl.constexpr, PROXY_FENCE: gl.constexpr):
+        """K step j's operands: wait for its ring stage, refill the ring STAGES - 2 steps ahead, decode its codes in
+        registers into the wgmma A operand, one [ROWS, 64] per unit (returned as a pair; a1 = a0 at 1 unit)."""
+        # step j landed (this thread's copies), then every thread's; every warp is past the wgmma wait that
+        # retires step j - 2 (and j - 1 in mode "rs"), so stage (j - 2) % STAGES is free to refill
         async_copy.wait_group(STAGES - 3)
         if PROXY_FENCE:  # cp.async writes are generic-proxy, wgmma reads B through the async proxy
             fence_async_shared()
         _cta_barrier()
-        nxt = gl.minimum(i + STAGES - 2, n_steps - 1)  # past the end: reload the last step (unused)
-        st = (i + STAGES - 2) % STAGES
+        nxt = gl.minimum(j + STAGES - 2, n_steps - 1)  # past the end: reload the last step (unused)
+        st = (j + STAGES - 2) % STAGES
         for u in gl.static_range(UNITS):
             _cp_async(x_smem.index(st * UNITS + u), x_ptrs + (nxt * UNITS + u) * BK, mask=x_mask)
         _cp_async(c_smem.index(st), c_ptrs + nxt * UNITS * 128)
         _cp_async(s_smem.index(st), s_ptrs + nxt * UNITS * 16)
         async_copy.commit_group()
 
-        cur = i % STAGES
+        cur = j % STAGES
         q = c_smem.index(cur).load(raw)
         sw = s_smem.index(cur).load(sraw)
         # the wgmma fragment's k order within 64 k is (cb, p, q, t, h) (see permute_k)
         wts = nvfp4_mma.decode_codes(q, sw, sel, DECODE, CONSTRAINTS, WARPS, UNITS)
         wts = gl.permute(wts, [0, 5, 2, 1, 4, 7, 8, 3, 6])  # row = (w, r8, g); k = (u, cb, p, q, t, h)
         if UNITS == 1:
-            a = gl.convert_layout(gl.reshape(wts, [ROWS, BK]), a_op, assert_trivial=True)
-            acc = warpgroup_mma(a, x_smem.index(cur).permute((1, 0)), acc, is_async=True)
+            a0 = gl.convert_layout(gl.reshape(wts, [ROWS, BK]), a_op, assert_trivial=True)
+            a1 = a0
         else:  # UNITS == 2: one [ROWS, 64] operand per unit (a register split, no data movement)
             wu = gl.permute(gl.reshape(wts, [ROWS, 2, BK]), [0, 2, 1])
             w0, w1 = gl.split(wu)
             a0 = gl.convert_layout(w0, a_op, assert_trivial=True)
             a1 = gl.convert_layout(w1, a_op, assert_trivial=True)
+        return a0, a1
+
+    @gluon.jit
+    def _store_a(j, a0, a1, a_smem, UNITS: gl.constexpr):
+        """K step j's decoded weights into A buffer j % 2 (one [ROWS, 64] tile per unit)."""
+        buf = (j % 2) * UNITS
+        a_smem.index(buf).store(a0)
+        if UNITS == 2:
+            a_smem.index(buf + 1).store(a1)
+
+    @gluon.jit
+    def _issue_smem(j, acc, a_smem, x_smem, STAGES: gl.constexpr, UNITS: gl.constexpr):
+        """K step j's wgmmas on A buffer j % 2 and the step's activation tiles (async; the caller waits)."""
+        buf = (j % 2) * UNITS
+        cur = j % STAGES
+        acc = warpgroup_mma(a_smem.index(buf), x_smem.index(cur * UNITS).permute((1, 0)), acc, is_async=True)
+        if UNITS == 2:
+            acc = warpgroup_mma(a_smem.index(buf + 1), x_smem.index(cur * 2 + 1).permute((1, 0)), acc, is_async=True)
+        return acc
+
+    @gluon.jit
+    def _issue(j, a0, a1, acc, x_smem, STAGES: gl.constexpr, UNITS: gl.constexpr):
+        """K step j's wgmmas (async; the caller waits) on the decoded operands and the step's activation tiles."""
+        cur = j % STAGES
+        if UNITS == 1:
+            acc = warpgroup_mma(a0, x_smem.index(cur).permute((1, 0)), acc, is_async=True)
+        else:
             acc = warpgroup_mma(a0, x_smem.index(cur * 2).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(a1, x_smem.index(cur * 2 + 1).permute((1, 0)), acc, is_async=True)
         return acc
@@ -118,7 +152,8 @@ if nvfp4_mma.HAVE_GLUON:
             num_rows, N, k_units, num_row_tiles, stride_ce, stride_se, stride_rse,
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr,
-            GAIN: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr, PROXY_FENCE: gl.constexpr):
+            GAIN: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr, PROXY_FENCE: gl.constexpr,
+            A_SMEM: gl.constexpr):
         ROWS: gl.constexpr = 16 * WARPS  # 64 weight rows per warpgroup; the warpgroups share the B tile
         BK: gl.constexpr = 64            # k per shared-memory activation tile (one unit of the packed layout)
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -188,13 +223,36 @@ if nvfp4_mma.HAVE_GLUON:
             async_copy.commit_group()
 
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=acc_l)
-        for i in range(n_steps):
-            acc = _k_step(i, acc, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, sel, a_op,
-                          raw, sraw, STAGES, UNITS, WARPS, ROWS, BK, DECODE, CONSTRAINTS, PROXY_FENCE)
-            # wait for this step's wgmma before the next decode: keeping one in flight (also with two
-            # accumulators for even / odd steps, tried) makes ptxas serialize every wgmma (C7515); the decode
-            # of one CTA overlaps the MMAs of the other CTAs on the SM instead
-            acc = warpgroup_mma_wait(0, deps=[acc])
+        if A_SMEM:
+            # the decoded weights go through shared memory (wgmma reads A and B there), double-buffered: step i is
+            # decoded and stored while step i - 1's wgmmas run. (With register A operands ptxas sinks the next decode
+            # below the wgmma wait; a shared-memory store ahead of the wait keeps it there.)
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * UNITS, ROWS, BK], x_sl)
+            a0, a1 = _stage_decode(0, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, sel, a_op,
+                                   raw, sraw, STAGES, UNITS, WARPS, ROWS, BK, DECODE, CONSTRAINTS, PROXY_FENCE)
+            _store_a(0, a0, a1, a_smem, UNITS)
+            fence_async_shared()
+            _cta_barrier()
+            tok = _issue_smem(0, acc, a_smem, x_smem, STAGES, UNITS)
+            for i in range(1, n_steps):
+                a0, a1 = _stage_decode(i, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, sel,
+                                       a_op, raw, sraw, STAGES, UNITS, WARPS, ROWS, BK, DECODE, CONSTRAINTS,
+                                       PROXY_FENCE)
+                _store_a(i, a0, a1, a_smem, UNITS)  # the other buffer than step i - 1's in-flight wgmmas read
+                acc = warpgroup_mma_wait(0, deps=[tok])
+                fence_async_shared()
+                _cta_barrier()
+                tok = _issue_smem(i, acc, a_smem, x_smem, STAGES, UNITS)
+            acc = warpgroup_mma_wait(0, deps=[tok])
+        else:
+            for i in range(n_steps):
+                a0, a1 = _stage_decode(i, n_steps, x_smem, c_smem, s_smem, x_ptrs, x_mask, c_ptrs, s_ptrs, sel,
+                                       a_op, raw, sraw, STAGES, UNITS, WARPS, ROWS, BK, DECODE, CONSTRAINTS,
+                                       PROXY_FENCE)
+                acc = _issue(i, a0, a1, acc, x_smem, STAGES, UNITS)
+                # wait for this step's wgmma before the next decode: the decode of one CTA overlaps the MMAs of
+                # the other CTAs on the SM
+                acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)
 
         # epilogue: rows of this CTA in the accumulator layout
@@ -254,7 +312,7 @@ def supports(w: lay.PackedNvfp4, warps: int = DEFAULT_WARPS) -> bool:
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, block_n: int, route_weights=None,
            a_row_div: int = 1, stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, units: int = DEFAULT_UNITS,
-           proxy_fence: bool = True):
+           proxy_fence: bool = True, mode: str = DEFAULT_MODE):
     """One grouped GEMM over expert blocks of `block_n` tokens (align.py with block_m = block_n).
     x: activations in permute_k order. out: gated: [rows, N/2] bf16 SiLU(gate) * up in permute_k order;
     else f32 [rows, N] (times the routing weight if given), natural column order."""
@@ -262,9 +320,10 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     if not supports(w, warps):
         raise ValueError(f"nvfp4_wgmma needs K % 64 == 0 and rows in {16 * warps}-row tiles (k={w.k}, tiles={T})")
     if (block_n not in BLOCK_NS or stages < 3 or warps not in (4, 8, 16) or 4 * warps > block_n
-            or units not in (1, 2) or U % units):
+            or units not in (1, 2) or U % units or mode not in MODES):
         raise ValueError(f"block_n {block_n} not in {BLOCK_NS}, stages {stages} < 3, warps {warps} not 4 / 8 / 16 "
-                         f"(at most block_n / 4) or units {units} not 1 / 2 dividing the k units {U}")
+                         f"(at most block_n / 4), units {units} not 1 / 2 dividing the k units {U} "
+                         f"or mode {mode!r} not in {MODES}")
     tiles = T // warps
     grid = (num_m_blocks * tiles,)
     _nvfp4_wgmma_kernel[grid](
@@ -274,14 +333,15 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         w.row_scale.stride(0),
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None, BLOCK_N=block_n,
         STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
-        GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, PROXY_FENCE=proxy_fence, num_warps=warps)
+        GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, PROXY_FENCE=proxy_fence,
+        A_SMEM=mode == "ss", num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------
 # Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
 
 def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, warps: int = 4,
-                    units: int = 1, arch: int = 90):
+                    units: int = 1, arch: int = 90, mode: str = DEFAULT_MODE):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -291,7 +351,8 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
            "stride_ce": "i64", "stride_se": "i64", "stride_rse": "i64"}
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=not gated, BLOCK_N=block_n,
                   STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
-                  GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, PROXY_FENCE=True)
+                  GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, PROXY_FENCE=True,
+                  A_SMEM=mode == "ss")
     for k in consts:
         sig[k] = "constexpr"
     div16 = {"x_ptr", "stride_x", "codes_ptr", "scales_ptr", "rs_ptr", "out_ptr", "stride_om", "sorted_ids_ptr",
@@ -304,12 +365,12 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
 
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, warps: int = 4,
-                 units: int = 1, arch: int = 90) -> dict:
+                 units: int = 1, arch: int = 90, mode: str = DEFAULT_MODE) -> dict:
     """SASS statistics of the K loop compiled for sm_<arch> (no GPU needed): instructions per
     iteration and per weight (a thread decodes 64 rows x 64 k / 128 threads = 32 weights a step),
     opcode counts, shared-memory stores in the loop (decoded weights would need STS / STSM), shared
     loads, spills, registers and shared memory. Compiles in a clean process under TRITON_INTERPRET."""
-    args = dict(gated=gated, block_n=block_n, stages=stages, warps=warps, units=units, arch=arch)
+    args = dict(gated=gated, block_n=block_n, stages=stages, warps=warps, units=units, arch=arch, mode=mode)
     if os.environ.get("TRITON_INTERPRET") == "1":
         return nvfp4_mma.in_clean_process(__name__, "k_loop_stats", **args)
     k = compile_offline(**args)
