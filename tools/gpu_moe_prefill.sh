@@ -13,7 +13,7 @@
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 filt() { grep -vE "leaked|nanobind|^ - |Warning|warn_once|See https"; }
-timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu tests/test_nvfp4_wgmma.py -p no:cacheprovider -x \
+timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu tests/test_nvfp4_wgmma.py -p no:cacheprovider -x ${TESTS_K:+-k "$TESTS_K"} \
   --junitxml=$OUT/test_nvfp4_wgmma_gpu.xml 2>&1 | filt | tail -15
 el "tests done"
 [ -z "${SKIP_BENCH:-}" ] && timeout ${T_BENCH:-200} python3 -m linrnn_bench.kernels.moe --batch-sizes ${SIZES:-128,512,1024,2048,4096,8192} \
