@@ -7,7 +7,10 @@
 #     old grouped GEMM, dequantize + bf16 and the bf16-weights path in one run, with routed-GEMM TFLOP/s;
 # (C) ENGINE=1: bench batched --npp 2048 --ntg 16 --npl 1,8 and --npp 128 --ntg 128 --npl 128 (S_PP); ENGINE_AB=1
 #     adds the 2048 run with the wgmma path off (LINRNN_NVFP4_WGMMA=0); SKIP_BENCH=1 skips (B);
-# (D) PREFIX=on|off|report: that stage of tools/gpu_prefix.sh (issue #16's TTFT benefit; on / off ~3-5 min each).
+# (D) PREFIX=on|off|report: that stage of tools/gpu_prefix.sh (issue #16's TTFT benefit; on / off ~3-5 min each);
+# OVERLAY=1 (OLD_DIR=<dir with kernels/moe/{nvfp4_wgmma,experts}.py of the old commit>): the layer at SIZES with the old
+#     and the new wgmma path in one process (tools/gpu_wgmma_overlay.py); ENGINE_TESTS=1: the engine's graphs-on ==
+#     graphs-off test at NVFP4 A3B shapes, B = 1 and 64 (a 64-prompt prefill takes the wgmma path). TESTS_K: pytest -k.
 # LINRNN_COMMIT=<sha> bash tools/gpu_moe_prefill.sh   -> $OUT/moe_prefill_* (tables), $OUT/*.log
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -22,6 +25,20 @@ el "tests done"
 cp $OUT/moe_prefill/*.md $OUT/moe_prefill_table.md 2>/dev/null; cp $OUT/moe_prefill/*.json $OUT/moe_prefill.json 2>/dev/null
 rm -rf $OUT/moe_prefill
 el "bench done"
+if [ -n "${OVERLAY:-}" ]; then  # old (OLD_DIR: main's nvfp4_wgmma.py + experts.py) vs new in one bench process
+  timeout ${T_OVERLAY:-150} python3 tools/gpu_wgmma_overlay.py --batch-sizes ${SIZES:-512,1024,2048,4096,8192} \
+    --variants ${OVERLAY_VARIANTS:-nvfp4/wgmma-old,nvfp4/wgmma,nvfp4/mma} --sets 1 --warmup 10 --rep ${REP:-30} \
+    --out $OUT/overlay 2>&1 | filt | grep -v "^{" | tail -30
+  cp $OUT/overlay/*.md $OUT/overlay_table.md 2>/dev/null; cp $OUT/overlay/*.json $OUT/overlay.json 2>/dev/null
+  rm -rf $OUT/overlay
+  el "overlay done"
+fi
+if [ -n "${ENGINE_TESTS:-}" ]; then  # the engine's graphs-on == graphs-off greedy check, NVFP4 A3B shapes, B = 1 and 64
+  timeout ${T_ENGINE_TESTS:-150} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$OUT/test_engine_gpu.xml \
+    "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[1]" "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[64]" \
+    2>&1 | filt | tail -5
+  el "engine tests done"
+fi
 if [ -n "${ENGINE:-}" ]; then  # the engine (NVFP4 35B-A3B dummy): 2048-token prompts at npl 1 / 8, S_PP at npl 128
   eng() {  # $1 out dir, $2 timeout, rest: bench batched args
     local o=$1 t=$2; shift 2

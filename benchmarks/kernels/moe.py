@@ -15,7 +15,8 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
                   (LINRNN_FUSED_MOE_COMBINE, on by default); checked after summing them outside the timing
   nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the older Hopper kernel)
   nvfp4/wgmma     the prefill kernel (nvfp4_wgmma.py: wide token blocks on wgmma) at any batch; -nN-wW fix its
-                  tokens per expert block (64 / 128 / 256), warps per CTA (4 / 8 / 16) 64-k units per K step (1 / 2), -sS the cp.async ring depth (default 4)
+                  tokens per expert block (64 / 128 / 256), warps per CTA (4 / 8 / 16) 64-k units per K step (1 / 2), -sS the cp.async ring depth (default 4);
+                  -nN-wW-uU-sS-{rs,ss}-{f32,b16}: also the K loop schedule (nvfp4_wgmma.MODES) and the down partials' dtype
   nvfp4/mma-any / nvfp4/dequant-bf16: the MMA kernel / dequantize-to-bf16 path at any batch
   nvfp4/w4a4      our kernels, W4A4 on FP4 tensor cores (sm_100+ only, added there automatically;
                   checked against the W4A4 reference, with a 2e-2 bound)

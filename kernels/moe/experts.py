@@ -197,7 +197,9 @@ def _wgmma_prefill(x: torch.Tensor, num_pairs: int, num_experts: int, w13: Weigh
 
 
 # The wgmma path's down GEMM writes its per-pair outputs [pairs, H] in bf16 for the top-k combine (f32 sums of the
-# bf16 values, fixed order; as vLLM's fused MoE does): at 8192 tokens the f32 partials are 537 MB written and read
+# bf16 values in a fixed order; vLLM's fused MoE also keeps them in the activation dtype): at 8192 tokens the f32
+# partials are 537 MB written and read. H200, one 35B-A3B layer (prefill_wgmma/round2): bf16 vs f32 302 vs 307 us at
+# 512 tokens, 499 vs 509 at 2048, 841 vs 860 at 4096, 1530 vs 1558 at 8192
 WGMMA_BF16_PARTIALS = True
 
 

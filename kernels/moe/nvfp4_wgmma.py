@@ -12,19 +12,23 @@ once per BLOCK_N = 64..256 tokens of one expert and runs it on `wgmma.mma_async`
   B (the expert's gathered token activations, N side): in shared memory (NVMMA 128-byte swizzle),
     filled by cp.async from the gathered rows (TMA cannot gather rows on sm_90).
   The codes and scales of a K step travel in the same cp.async ring (STAGES deep) and are read back
-  by the thread that copied them (LDS.128 of raw codes; decoded weights never touch shared memory), so
-  one pipeline hides the HBM latency of both operands. A step's 4 wgmmas run back to back and are
-  waited on before the next decode (one in flight across steps makes ptxas serialize them all); the
-  3 CTAs an SM holds overlap one's decode with another's MMAs.
+  by the thread that copied them (LDS.128 of raw codes), so one pipeline hides the HBM latency of both
+  operands. Schedules (`mode`, MODES): "rs" (default) feeds the decoded weights to wgmma as its register
+  A operand (they never touch shared memory); a step's wgmmas run back to back and are waited on before
+  the next decode (one in flight across steps makes ptxas serialize them all, C7515), so only the other
+  CTAs of the SM overlap a CTA's decode with MMAs. "ss" stores the decoded tile to shared memory
+  (stmatrix, double-buffered) and reads both operands there, so the next step's decode runs under the
+  in-flight wgmmas (the sm_90 compile test checks it): measured 25-30 % slower on the H200 (shared-memory
+  traffic of A + B reads, A writes; round 2 of benchmarks/results/kernels/moe/prefill_wgmma/).
 K order: lane t's code words hold the k = 16 t + 4 j + 2 cb + h of each 64 (the packed layout, chosen for the
 decode kernel's register B operand), but a wgmma register fragment means k = 2t, 2t + 1, 2t + 8, 2t + 9 of
 each 16, and shared-memory B is read in natural k order. So the activations are stored k-permuted within
 every 64 k (`permute_k`): the gate_up input is permuted once per call, and the gate_up epilogue writes its
 output h already in that order for the down GEMM.
 Epilogues: gate_up (gate and up rows interleaved per 16-row tile, so one thread holds both) writes
-SiLU(gate) * up in bf16; down multiplies by the row scale and routing weight and writes f32 partials
-[pairs, H] that grouped_gemm.sum_reduce adds per token in a fixed order: no atomics, bitwise
-reproducible, CUDA-graph capturable (no host reads of device values).
+SiLU(gate) * up in bf16; down multiplies by the row scale and routing weight and writes per-pair partials
+[pairs, H] (bf16 by default, experts.WGMMA_BF16_PARTIALS, or f32) that grouped_gemm.sum_reduce adds in f32 per
+token in a fixed order: no atomics, bitwise reproducible, CUDA-graph capturable (no host reads of device values).
 Gluon kernels do not run under TRITON_INTERPRET; `available()` says whether this path can run.
 """
 from __future__ import annotations
