@@ -35,11 +35,12 @@ DEQUANT_MIN_MEAN_PAIRS = 128
 
 # From this mean number of (token, expert) pairs per expert (and with repacked NVFP4 weights on Hopper) the
 # wide-token wgmma kernel (nvfp4_wgmma.py: each weight tile decoded once per 64-token expert block) runs instead
-# of the MMA kernel, the grouped GEMM and the dequantization. H200, one 35B-A3B layer, CUDA-graph replays
-# (benchmarks/results/kernels/moe/prefill_wgmma/), wgmma vs MMA kernel: 128 tokens (4 pairs/expert) 296 vs 170 us,
-# 512 (16) 312 vs 326, 1024 (32) 337 vs 554, 2048 (64) 507 vs 1028, 4096 867 vs 2072, 8192 1612 vs 4233
-# (dequantize + bf16: 1561 / 1942 / 2999 at 2048 / 4096 / 8192; bf16 weights: 691 / 1060 / 2127)
-WGMMA_MIN_MEAN_PAIRS = 16
+# of the MMA kernel, the grouped GEMM and the dequantization. H200, one 35B-A3B layer, CUDA-graph replays, wgmma vs
+# MMA kernel in one run (benchmarks/results/kernels/moe/prefill_wgmma/round2/, 96df7e1): 512 tokens (16 pairs per
+# expert) 303 vs 256 us, 1024 (32) 328 vs 422, 2048 501.7 vs 744, 4096 850 vs 1456, 8192 1531 vs 3049; linear
+# between 16 and 32 pairs the two cross at ~21 (round 1 had the MMA kernel at 326 us at 512 tokens: threshold 16).
+# (dequantize + bf16, round 1: 1561 / 1942 / 2999 us at 2048 / 4096 / 8192; bf16 weights: 691 / 1060 / 2127)
+WGMMA_MIN_MEAN_PAIRS = 21
 
 # Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
 # (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
