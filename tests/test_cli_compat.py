@@ -56,7 +56,8 @@ def test_tensor_parallel_size():
 def test_prefix_and_chunked_prefill_flags():
     assert config("--enable-prefix-caching").enable_prefix_caching is True
     assert config("--no-enable-prefix-caching").enable_prefix_caching is False
-    assert config("--enable-chunked-prefill").max_num_batched_tokens == 2048
+    assert config("--enable-chunked-prefill").max_num_batched_tokens is None  # the engine picks it per device
+    assert config("--max-num-batched-tokens", "8k").max_num_batched_tokens == 8000
     with pytest.raises(ValueError, match="always chunked"):
         config("--no-enable-chunked-prefill")
 

@@ -67,3 +67,23 @@ def test_from_pretrained_names_the_file(tmp_path):
         ModelConfig.from_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="no config.json"):
         ModelConfig.from_pretrained(tmp_path / "missing")
+
+
+def test_default_token_budget_by_device():
+    from linrnn_serve.config import (LARGE_GPU_BYTES, LARGE_GPU_TOKEN_BUDGET, TOKEN_BUDGET,
+                                     default_max_num_batched_tokens)
+    assert default_max_num_batched_tokens("cuda", 141 * 2**30) == LARGE_GPU_TOKEN_BUDGET == 8192  # H200
+    assert default_max_num_batched_tokens("cuda", 80 * 2**30) == 8192  # H100
+    assert default_max_num_batched_tokens("cuda", LARGE_GPU_BYTES - 1) == TOKEN_BUDGET == 2048  # 48 GB cards
+    assert default_max_num_batched_tokens("cpu", None) == 2048
+
+
+def test_engine_resolves_the_token_budget():
+    from linrnn_serve.config import EngineConfig
+    from linrnn_serve.engine.llm_engine import LLMEngine
+    eng = LLMEngine(EngineConfig(model="tiny", load_format="dummy", device="cpu", max_num_seqs=4, max_model_len=256),
+                    progress=False)
+    assert eng.config.max_num_batched_tokens == 2048 and eng.scheduler.cfg.max_num_batched_tokens == 2048
+    eng = LLMEngine(EngineConfig(model="tiny", load_format="dummy", device="cpu", max_num_seqs=4, max_model_len=256,
+                                 max_num_batched_tokens=300), progress=False)
+    assert eng.config.max_num_batched_tokens == 300

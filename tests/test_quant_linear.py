@@ -116,3 +116,20 @@ def test_linear_dot_scaled_w4a4(nan_buffers, T):
     y = linear_triton(x, w, nvfp4_path="dot_scaled")
     assert not y.isnan().any()
     assert rel_err(y, linear_naive(x, w, activations="nvfp4")) <= 1e-2
+
+
+@pytest.mark.parametrize("N", [257, 9, 256])
+def test_dense_linear_pads_unaligned_outputs(N):
+    """The MoE gate's 257 outputs: padded to an aligned row stride (cuBLAS' fast kernels), same values."""
+    from linrnn_kernels.quant.linear import OUT_ALIGN, dense_linear
+    x, w = torch.randn(33, 64), torch.randn(N, 64)
+    y = dense_linear(x, w, align=True)
+    assert y.shape == (33, N) and y.stride(0) % OUT_ALIGN == 0
+    assert (y.stride(0) == N) == (N % OUT_ALIGN == 0)
+    torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert dense_linear(x, w, align=False).is_contiguous()
+    if N == 257:  # the router consumes the strided view as it is
+        from linrnn_kernels.moe import route
+        ref_w, ref_ids = route((x @ w.t())[:, :256].contiguous(), 8, True)
+        got_w, got_ids = route(y[:, :256], 8, True)
+        assert torch.equal(got_ids, ref_ids) and torch.equal(got_w, ref_w)

@@ -58,6 +58,24 @@ def linear_triton(x: torch.Tensor, w: WeightTensor, *, config=None, nvfp4_path: 
     return out.reshape(*lead, N)
 
 
+# cuBLAS runs an align-1 kernel (sm75-era, ~50 TFLOP/s on the H200) when the output's row stride is not a multiple
+# of 16 bytes: the MoE gate (256 router rows + 1 shared-expert gate row = 257 outputs) took 162 us per layer at
+# 8192 tokens, ~12x its FLOP time (benchmarks/results/serving/prefill_round/). With the weight padded by zero rows
+# to a multiple of OUT_ALIGN outputs, the result is a view of the first N columns of an aligned [M, N_pad] matrix.
+OUT_ALIGN = 8
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, align: bool | None = None) -> torch.Tensor:
+    """F.linear(x, w) for a dense [N, K] w; align (default: on CUDA) pads N to a multiple of OUT_ALIGN and returns
+    a column view (rows strided by the padded N) when N is not one already."""
+    N = w.shape[0]
+    pad = -N % OUT_ALIGN
+    if not (x.is_cuda if align is None else align) or not pad:
+        return F.linear(x, w)
+    wp = torch.cat([w, w.new_zeros(pad, w.shape[1])])
+    return F.linear(x, wp)[..., :N]
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -65,7 +83,7 @@ def _cdiv(a: int, b: int) -> int:
 def linear(x: torch.Tensor, w: WeightTensor) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x.dtype."""
     if w.fmt == "dense":
-        return F.linear(x, w.data if w.data.dtype == x.dtype else w.data.to(x.dtype))
+        return dense_linear(x, w.data if w.data.dtype == x.dtype else w.data.to(x.dtype))
     if use_triton(x):
         from linrnn_kernels.moe.experts import supported
 

@@ -28,13 +28,14 @@ import logging
 import os
 import random
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
 
 from linrnn_serve.cache import BlockAllocator, PrefixCache, SlotAllocator
 from linrnn_serve.cache.budget import CacheBudget
-from linrnn_serve.config import EngineConfig, ModelConfig
+from linrnn_serve.config import EngineConfig, ModelConfig, default_max_num_batched_tokens
 from linrnn_serve.engine_args import EngineArgs
 from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
@@ -90,12 +91,16 @@ def resolve_model(name_or_path: str, load_format: str) -> ResolvedModel:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         t_start = time.perf_counter()
+        self.device = resolve_device(config.device)
+        if config.max_num_batched_tokens is None:
+            total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+            config = dataclasses.replace(config, max_num_batched_tokens=max(
+                default_max_num_batched_tokens(self.device.type, total), config.max_num_seqs))
         self.config = config
         self._validate_config(config)
         resolved = resolve_model(config.model, config.load_format)
         self.model_config = cfg = resolved.cfg
         self.model_name = config.served_model_name or resolved.name
-        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > cfg.max_position_embeddings:

@@ -162,9 +162,12 @@ class Worker:
 
     @torch.inference_mode()
     def _profile_activation_peak(self) -> int | None:
-        """Peak scratch memory of a max_num_batched_tokens prefill (with a temporary small cache)."""
+        """Peak scratch memory of a max_num_batched_tokens prefill (with a temporary small cache): one prompt of
+        that many tokens, or as many prompts of max_model_len tokens as a step can hold when it is shorter."""
         c = self.config
-        T = min(c.max_num_batched_tokens, self.max_model_len)
+        L = min(c.max_num_batched_tokens, self.max_model_len)
+        n = min(-(-c.max_num_batched_tokens // L), c.max_num_seqs)
+        T = min(c.max_num_batched_tokens, n * L)
         try:
             from linrnn_serve.runner.session import Session
 
@@ -172,13 +175,13 @@ class Worker:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-            s = Session(self.model, 1, T, c.block_size)
+            s = Session(self.model, n, L, c.block_size)
             cache_bytes = torch.cuda.memory_allocated(self.device) - base
             # the same ids on every rank (a fixed generator): the same shapes and collectives everywhere
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(0, self.model_config.vocab_size, (T,), generator=g).tolist()
-            self.note(f"profile forward ({T} tokens)")
-            s.forward([s.new_seq()], [ids])
+            self.note(f"profile forward ({T} tokens, {n} prompt{'s' if n > 1 else ''})")
+            s.forward([s.new_seq() for _ in range(n)], [ids[i * L:(i + 1) * L] for i in range(n)])
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - base - cache_bytes
             del s
