@@ -94,6 +94,8 @@ def compose(x, w: WeightTensor, *, prologue_kind="none", gate=None, pro_w=None, 
     elif prologue_kind != "none":
         raise ValueError(f"unknown prologue {prologue_kind!r}")
     y = linear(x, w)
+    if epilogue == "gate_add" and norm_w is not None:  # gate, add, residual add and norm in one pass
+        return norm_ops.add_rmsnorm(y, residual, norm_w, norm_eps, addend=addend, gate_logit=gate_logit)
     if epilogue == "silu_mul":
         y = norm_ops.silu_mul(y)
     elif epilogue == "gate_add":

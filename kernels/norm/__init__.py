@@ -4,11 +4,12 @@ from linrnn_kernels.dispatch import use_triton
 from linrnn_kernels.norm import naive
 
 
-def add_rmsnorm(x, residual, weight, eps):
+def add_rmsnorm(x, residual, weight, eps, addend=None, gate_logit=None):
+    """(normed, residual sum); with addend / gate_logit, x is addend + sigmoid(gate_logit) * x first (naive.py)."""
     if use_triton(x):
         from linrnn_kernels.norm.fused import add_rmsnorm as k
-        return k(x, residual, weight, eps)
-    return naive.add_rmsnorm(x, residual, weight, eps)
+        return k(x, residual, weight, eps, addend, gate_logit)
+    return naive.add_rmsnorm(x, residual, weight, eps, addend, gate_logit)
 
 
 def gated_rmsnorm(x, z, weight, eps):

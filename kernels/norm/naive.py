@@ -5,10 +5,14 @@ import torch
 import torch.nn.functional as F
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                addend: torch.Tensor | None = None, gate_logit: torch.Tensor | None = None):
     """h = x + residual (rounded to x.dtype, as transformers' bf16 residual stream), then
     zero-centred RMSNorm: h_f32 * rsqrt(mean(h^2) + eps) * (1 + w) (SPEC §1.4 #1).
-    Returns (normed, h); with residual None, h = x."""
+    Returns (normed, h); with residual None, h = x. With addend / gate_logit [rows, 1], x is first
+    addend + sigmoid(gate_logit) * x (the sigmoid-gated shared expert joining the routed sum, SPEC §1.8)."""
+    if addend is not None:
+        x = addend + torch.sigmoid(gate_logit.reshape(-1, 1)) * x
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     hf = h.float()
     y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
