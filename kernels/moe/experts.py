@@ -42,9 +42,11 @@ DEQUANT_MIN_MEAN_PAIRS = 128
 # (dequantize + bf16, round 1: 1561 / 1942 / 2999 us at 2048 / 4096 / 8192; bf16 weights: 691 / 1060 / 2127)
 WGMMA_MIN_MEAN_PAIRS = 21
 
-# Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded
-# (4096 tokens x top-8 x H=2048 x 4 B = 256 MB); decode batches never reach it.
-MAX_CHUNK_TOKENS = 4096
+# Prefill is processed in token chunks so the f32 [T * k, H] partials stay bounded (8192 tokens x top-8 x H=2048 x
+# 4 B = 512 MB, inside the activation peak the engine measures at start-up); decode batches never reach it. 8192,
+# the default token budget on large GPUs, runs as one launch: wgmma 1612 us per layer vs 2 x 867 in two 4096-token
+# chunks (H200, benchmarks/results/kernels/moe/prefill_wgmma/).
+MAX_CHUNK_TOKENS = 8192
 
 
 def supported(x: torch.Tensor, *weights: WeightTensor) -> bool:

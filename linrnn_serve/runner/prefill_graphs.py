@@ -44,9 +44,12 @@ from linrnn_serve.runner.cuda_graphs import GraphSet
 
 log = logging.getLogger(__name__)
 
-# Largest captured prefill (tokens). Above it the GPU work of a prefill (>~60 ms on the H200 at 35B-A3B
-# shapes) hides the eager launch cost, and a bigger bucket would hold more graph memory.
-PREFILL_GRAPH_MAX_TOKENS = 2048
+# Largest captured prefill (tokens). An eager 35B-A3B prefill forward costs ~65 ms + 5 us per token of host time
+# and ~6.5 ms + 17 us per token on the H200 GPU (2048 tokens: 71 ms eager wall for 41 ms of kernels; 8192: 150
+# ms, GPU-bound; benchmarks/results/serving/prefill_round/): eager steps stay host-bound up to ~4,700 tokens, so
+# graphs go to 4096 (with the 8192-token default budget; the buckets stop at the budget, so a 2048-token engine
+# captures what it did). A bigger bucket would hold more graph memory for little gain.
+PREFILL_GRAPH_MAX_TOKENS = 4096
 MIN_BUCKET = 16
 # Above 128 tokens a padded token costs about what a real one does (every layer computes it; in the MoE the
 # padding tokens, all alike, pile onto the same few experts), so buckets are four per octave: at most 25 %
