@@ -30,7 +30,8 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core pea
 
 # kernel-name pattern -> component (first match wins)
 COMPONENTS = [
-    ("moe", r"moe|nvfp4|wgmma|route|router|align|pair_blocks|silu_mul_reduce|sum_reduce|quant_rows|dequant"),
+    # (not bare "align": cuBLAS / cutlass kernel names carry "align1" / "align8")
+    ("moe", r"moe|nvfp4|wgmma|_route|router|_align_kernel|pair_blocks|silu_mul_reduce|sum_reduce|quant_rows|dequant"),
     ("gdn_chunk", r"_chunk_(wy|state|output)"),
     ("conv", r"conv1d|conv_state"),
     ("attention", r"_prefill_kernel|_write_kv|qk_norm_rope|_merge_kernel"),
