@@ -5,9 +5,9 @@
 
 Reproduces the H200 multi-turn benefit run (tools/gpu_prefix.sh) without a GPU: the real API server
 (`linrnn-serve` with the serve_probe trace) and engine-core process, the model's forward stubbed
-(host_overhead.StubExecutor: no model math) and paced like the H200 (`PacedStubExecutor`: a step lasts
-at least decode-ms + prefill tokens / prefill-tokens-per-ms, the host's own work included, as an
-overlapped GPU step would), under `bench serve --workload multi-turn` (32 users x 8 turns, a 2048-token
+(host_overhead.StubExecutor: no model math) and paced like the H200 (`PacedStubExecutor`: a virtual
+device stream on which a step lasts decode-ms + prefill tokens / prefill-tokens-per-ms; the server runs with
+--async-scheduling, so the core overlaps steps as on the GPU, late binding included), under `bench serve --workload multi-turn` (32 users x 8 turns, a 2048-token
 shared system prompt, prefix caching on). Per request, tools/prefix_timeline.py's TTFT parts and two
 more hops of the server trace:
 
@@ -38,21 +38,43 @@ UVICORN_ENV = "LINRNN_HANDOVER_UVICORN"  # "loop,http" forced on uvicorn (defaul
 
 
 class PacedStubExecutor(StubExecutor):
-    """The stubbed forward, paced like a GPU step: the step's host work counts toward its duration."""
+    """The stubbed forward, paced like a GPU: each launched step occupies a virtual device stream for
+    decode-ms + prefill tokens / prefill-tokens-per-ms (at least until its launch returns), starting when
+    its launch starts or when the step before it ends, whichever is later; its sampled ids are ready at its
+    end (`PacedStep`). So the overlapped loop (--async-scheduling) runs as on the GPU: the host prepares
+    step N+1 while N "runs"."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         d, p = (float(x) for x in os.environ.get(PACE_ENV, "8.5,50").split(","))
         self.decode_s, self.prefill_tokens_per_s = d / 1e3, p * 1e3
+        self.device_free_at = 0.0
 
     def execute_async(self, plan):
         t0 = time.perf_counter()
+        # the stub's host work: on the CPU it includes what a GPU does on its stream (state snapshot copies,
+        # the "forward"), so the step starts on the virtual device at the launch's start, not its end
         pending = super().execute_async(plan)
         tokens = sum(len(r.token_ids) for r in plan.prefill)
-        left = t0 + self.decode_s + tokens / self.prefill_tokens_per_s - time.perf_counter()
+        busy = 0.0 if plan.empty else self.decode_s + tokens / self.prefill_tokens_per_s  # empty: snapshot copies
+        end = self.device_free_at = max(max(t0, self.device_free_at) + busy, time.perf_counter())
+        return PacedStep(pending, end)
+
+
+class PacedStep:
+    """A PendingStep whose ids reach the host at `end` (time.perf_counter())."""
+
+    def __init__(self, inner, end: float):
+        self.inner, self.end = inner, end
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.end
+
+    def result(self):
+        left = self.end - time.perf_counter()
         if left > 0:
             time.sleep(left)
-        return pending
+        return self.inner.result()
 
 
 def server_main(argv: list[str]) -> int:
@@ -260,7 +282,7 @@ def run_main(a) -> int:
     srv = subprocess.Popen([sys.executable, "-m", "linrnn_bench.handover", "server", trace, "--model", "default",
                             "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "64",
                             "--enable-prefix-caching", "--max-model-len", "8192", "--num-prefix-snapshots", "256",
-                            *extra],
+                            "--async-scheduling", *extra],
                            env=env, stdout=log, stderr=subprocess.STDOUT)
     bench_json = os.path.join(a.out, f"multi_turn_{a.label}.json")
     try:

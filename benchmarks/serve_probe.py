@@ -81,14 +81,14 @@ def core_main(argv: list[str]) -> None:
         buf.append(json.dumps(["add", now(), msg.request_id]) + "\n")
         return add(self, msg)
 
-    def traced_step(self):
+    def traced_step(self, out=None):
         t0 = now()
-        out = step(self)
+        out = step(self, out)
         p, sch = self.engine.last_plan, self.engine.scheduler
         # the plan this call launched: decode rows, prefill rows / tokens, cached first tokens, restores, waiting
         comp = [len(p.decode), len(p.prefill), sum(len(r.token_ids) for r in p.prefill), len(p.cached),
                 len(p.snapshot_restores), len(sch.waiting)] if p is not None else []
-        buf.append(json.dumps(["step", t0, now(), len(out), comp]) + "\n")
+        buf.append(json.dumps(["step", t0, now(), len(out.deltas) + len(out.token_ids), comp]) + "\n")
         return out
 
     core.EngineCore.add, core.EngineCore.step = traced_add, traced_step

@@ -349,6 +349,9 @@ class EngineConfig:
     # overlapped steps (vLLM's async scheduling): step N+1 is scheduled and launched before step N's sampled ids
     # reach the host. None: on for CUDA, off on the CPU (where the forward runs on the host and nothing overlaps)
     async_scheduling: bool | None = None
+    # late binding (engine/step_clock.py): with overlapped steps the engine-core process schedules step N+1 just
+    # before step N is predicted to end, reading arrivals meanwhile, not at N's start. None: on where steps overlap
+    late_binding: bool | None = None
     # mixed batches: a step with prefill rows runs its decode rows inside the prefill forward as one-token chunks
     # (one forward per step instead of two). None: MIXED_BATCH_DEFAULT (runner/model_runner.py)
     mixed_batch: bool | None = None

@@ -186,6 +186,10 @@ class EngineArgs:
     async_scheduling: bool | None = _f(None, "overlapped steps: schedule and launch step N+1 before step N's "
                                        "sampled ids reach the host (default: on for CUDA, off on the CPU)",
                                        action=argparse.BooleanOptionalAction)
+    late_binding: bool | None = _f(None, "with overlapped steps, schedule step N+1 just before step N is predicted "
+                                   "to end (reading new requests meanwhile), not at its start: a request arriving "
+                                   "during step N runs in N+1 (default: on where steps overlap)",
+                                   action=argparse.BooleanOptionalAction)
     mixed_batch: bool | None = _f(None, "a step with prompts to prefill runs its decode rows in the same forward, "
                                   "as one-token chunks (one forward per step, not two); their logits then "
                                   "depend on who else is prefilling in the last bits (default: off, see "
@@ -295,7 +299,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=None if self.max_num_batched_tokens is None
             else max(human_int(self.max_num_batched_tokens), self.max_num_seqs),
             gpu_memory_utilization=self.gpu_memory_utilization, block_size=self.block_size,
-            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling, mixed_batch=self.mixed_batch,
+            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling, late_binding=self.late_binding,
+            mixed_batch=self.mixed_batch,
             ssm_bf16_tau=float(self.ssm_bf16_tau),
             ssm_calibration=self.ssm_calibration, seed=self.seed, max_queue_len=self.max_queue_len,
             served_model_name=self.served_model_name[0] if self.served_model_name else None,

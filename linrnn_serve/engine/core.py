@@ -210,31 +210,15 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             out = StepOutputs([])  # this iteration's message: add refusals, abort deltas, then the step's
             deltas = out.deltas
             if poller.poll(0 if busy else 100):
-                while True:
-                    try:
-                        data = pull.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        msg = client_decoder.decode(data)
-                    except msgspec.ValidationError as e:  # a malformed message must not take the core down
-                        d = undecodable(data, e)
-                        if d is not None:
-                            deltas.append(d)
-                        continue
-                    if isinstance(msg, AddRequest):
-                        d = core.add(msg)
-                    elif isinstance(msg, AbortRequest):
-                        d = core.abort(msg.request_id)
-                    elif isinstance(msg, Shutdown):
-                        stop = True
-                        d = None
-                        for rid in list(engine.scheduler.requests):
-                            a = core.abort(rid)
-                            if a is not None:
-                                deltas.append(a)
-                    if d is not None:
-                        deltas.append(d)
+                stop = receive(pull, core, deltas)
+            deadline = None if stop else engine.bind_deadline()
+            if deadline is not None:  # late binding: take arrivals until just before the step in flight ends
+                t_window = time.perf_counter()
+                while deadline is not None and deadline - time.monotonic() >= 0.001 and not engine.inflight_done():
+                    if poller.poll(1):
+                        stop = receive(pull, core, deltas)
+                        deadline = None if stop else engine.bind_deadline()  # arrivals: a longer host lead
+                t_loop += time.perf_counter() - t_window  # waiting, not host work (observe_loop)
             if not stop and engine.has_unfinished_requests():
                 checked_idle = False
                 n_before = len(deltas)
@@ -284,6 +268,39 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
         push.close()
         pull.close(linger=0)
         ctx.term()
+
+
+def receive(pull, core: EngineCore, deltas: list) -> bool:
+    """Handle every client message waiting on `pull` (deltas for refusals and aborts go to `deltas`); True
+    after a Shutdown (every request aborted)."""
+    import zmq
+
+    stop = False
+    while True:
+        try:
+            data = pull.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return stop
+        try:
+            msg = client_decoder.decode(data)
+        except msgspec.ValidationError as e:  # a malformed message must not take the core down
+            d = undecodable(data, e)
+            if d is not None:
+                deltas.append(d)
+            continue
+        d = None
+        if isinstance(msg, AddRequest):
+            d = core.add(msg)
+        elif isinstance(msg, AbortRequest):
+            d = core.abort(msg.request_id)
+        elif isinstance(msg, Shutdown):
+            stop = True
+            for rid in list(core.engine.scheduler.requests):
+                a = core.abort(rid)
+                if a is not None:
+                    deltas.append(a)
+        if d is not None:
+            deltas.append(d)
 
 
 def undecodable(data: bytes, e: Exception) -> RequestDelta | None:

@@ -124,6 +124,9 @@ class _Done:
     def __init__(self, result: StepResult):
         self._r = result
 
+    def done(self) -> bool:
+        return True
+
     def result(self) -> StepResult:
         return self._r
 

@@ -39,6 +39,7 @@ from linrnn_serve.config import EngineConfig, ModelConfig, default_max_num_batch
 from linrnn_serve.engine_args import EngineArgs
 from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
+from linrnn_serve.engine.step_clock import StepClock
 from linrnn_serve.engine.errors import EngineFullError, RequestError
 from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
 from linrnn_serve.engine.structured_output import StructuredOutputs
@@ -133,9 +134,12 @@ class LLMEngine:
         a = config.async_scheduling
         self.async_scheduling = (self.device.type == "cuda" if a is None else bool(a)) and \
             self.executor.supports_async
+        # the engine-core process waits for arrivals until bind_deadline() before scheduling the next step
+        self.late_binding = self.async_scheduling and config.late_binding is not False
         self._inflight = None  # (plan, pending step) launched and not yet postprocessed
         self._host_token_reqs: set[str] = set()  # requests whose sampling reads their previous tokens on the host
         self._accepted = None  # the last step whose sampled tokens went to the grammar matchers
+        self.clock = StepClock()  # launched steps' device time: late binding (bind_deadline)
 
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in cfg.eos_token_id if e not in eos]
@@ -172,9 +176,10 @@ class LLMEngine:
         log.info("recurrent state: %s; f32 heads %.1f%% / bf16 %.1f%%; %.2f MiB per sequence",
                  d["head_map"], 100 * f32, 100 * (1 - f32), d["state_bytes_per_seq"] / 2**20)
         log.info("caches: %s", self.budget.describe())
-        log.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, overlapped steps %s, mixed batches "
-                 "%s, CUDA graphs %s; engine ready in %.1f s", self.max_model_len, config.max_num_seqs,
-                 config.max_num_batched_tokens, "on" if self.async_scheduling else "off",
+        log.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, overlapped steps %s (late binding "
+                 "%s), mixed batches %s, CUDA graphs %s; engine ready in %.1f s", self.max_model_len,
+                 config.max_num_seqs, config.max_num_batched_tokens, "on" if self.async_scheduling else "off",
+                 "on" if self.late_binding else "off",
                  "on" if d.get("mixed_batch") else "off",
                  f"on ({d['num_graphs']} captured in {d['graph_capture_seconds']:.1f} s, "
                  f"{d['graph_capture_bytes'] / 2**30:.2f} GiB)" if d["cuda_graphs"] else "off",
@@ -321,6 +326,7 @@ class LLMEngine:
         sync = not self.async_scheduling or self.capture_logits or bool(self._host_token_reqs)
         if sync and self._inflight is not None:  # the next schedule needs the in-flight tokens on the host
             return self._complete(self._take_inflight())
+        t_schedule = time.monotonic()
         plan = self.last_plan = self.scheduler.schedule()
         done = self._take_inflight()
         if plan.empty and plan.snapshot_saves_before:  # finished sequences' prefix-cache snapshots: taken
@@ -331,6 +337,8 @@ class LLMEngine:
                     s.seq_id in constrained for r in plan.prefill for s in r.samples)):
                 plan.fill_bitmask = self._grammar_fill(done)
             self._inflight = (plan, self.executor.execute_async(plan))
+            self.clock.launched(len(plan.decode), sum(len(r.token_ids) for r in plan.prefill), t_schedule,
+                                time.monotonic(), len(plan.prefill))
             if sync:
                 return self._complete(self._take_inflight())
         return self._complete(done) if done is not None else []
@@ -361,9 +369,29 @@ class LLMEngine:
         x = self._take_inflight()
         return self._complete(x) if x is not None else []
 
+    def bind_deadline(self) -> float | None:
+        """Late binding (engine/step_clock.py): the time.monotonic() until which the next step's scheduling
+        may wait for arrivals, while the step in flight runs; None: schedule now (nothing in flight, steps
+        not overlapped, late binding off, or no prediction yet)."""
+        if self._inflight is None or not self.late_binding:
+            return None
+        s = self.scheduler
+        return self.clock.deadline(min(s.num_waiting_seqs, max(self.config.max_num_seqs - s.num_running_seqs, 0)))
+
+    def inflight_done(self) -> bool:
+        """Whether the step in flight has finished (its sampled ids are on the host); True if none."""
+        if self._inflight is None:
+            return True
+        if self._inflight[1].done():
+            self.clock.seen_done(time.monotonic())
+            return True
+        return False
+
     def _complete(self, launched) -> list[Request]:
         plan, pending = launched
+        blocked = not pending.done()
         result = pending.result()
+        self.clock.completed(time.monotonic() if blocked else None)
         if self.capture_logits:
             self._log_logits()
         now = time.monotonic()
