@@ -14,7 +14,7 @@
 # Acceptance: TTFT p50 over turns 2-8 with caching <= 1/5 of without; output tok/s not lower.
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PORT=8013
+PORT=${PORT:-8013}
 
 run_test() {
   timeout 500 python3 -m pytest -m gpu tests/test_prefix_gpu.py -x -q -p no:cacheprovider 2>&1 | tail -8 \

@@ -63,7 +63,26 @@ def analyse(bench: dict, core: list[list], server: dict | None, steps_turn: int)
                 detail.append(f"| {1e3 * (s[1] - t_lo):.1f} | {1e3 * (s[2] - s[1]):.1f} | {arrived} | {d} | {pr} | "
                               f"{pt} | {ca} | {re} | {wa} | {sent} |")
                 prev = s[1]
-    return "\n".join(lines + [""] + detail)
+    return "\n".join(lines + [""] + waits(run, handed, first, steps) + [""] + detail)
+
+
+def waits(run: dict, handed: dict, first: dict, steps: list) -> list[str]:
+    """Turns 2..T: the hand-over -> first token sent median, and how many step calls ended in between
+    (2: the request ran in the step after the one in flight; 3: one more, as without late binding)."""
+    import bisect
+
+    ends = sorted(s[2] for s in steps)
+    w, n = [], []
+    for r in run["requests"]:
+        rid = r[2]
+        if r[0] > 1 and rid in handed and rid in first:
+            w.append(1e3 * (first[rid] - handed[rid]))
+            n.append(bisect.bisect_left(ends, first[rid]) - bisect.bisect_left(ends, handed[rid]))
+    if not w:
+        return []
+    counts = ", ".join(f"{k}: {n.count(k)}" for k in sorted(set(n)))
+    return [f"Turns 2..T: the server's hand-over -> the core sends the first token, median {med(w):.1f} ms; step calls "
+            f"ending in between (requests): {counts}"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,7 +58,11 @@ class EngineCore:
         self.full_batch = engine.config.max_num_seqs
         self.loop_stats = {"core_decode_steps_total": 0, "core_decode_rows_total": 0,
                            "core_decode_step_seconds_total": 0.0, "core_full_decode_steps_total": 0,
-                           "core_full_decode_step_seconds_total": 0.0, "integrity_failures_total": 0}
+                           "core_full_decode_step_seconds_total": 0.0, "integrity_failures_total": 0,
+                           # late binding: iterations that waited for arrivals before scheduling, the time waited,
+                           # and the requests that came in meanwhile (they run one step sooner)
+                           "core_bind_windows_total": 0, "core_bind_window_seconds_total": 0.0,
+                           "core_bind_window_arrivals_total": 0}
         self.step_hist = Histogram(STEP_BUCKETS)
         self.full_step_hist = Histogram(STEP_BUCKETS)
 
@@ -214,11 +218,22 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             deadline = None if stop else engine.bind_deadline()
             if deadline is not None:  # late binding: take arrivals until just before the step in flight ends
                 t_window = time.perf_counter()
-                while deadline is not None and deadline - time.monotonic() >= 0.001 and not engine.inflight_done():
-                    if poller.poll(1):
+                waiting = engine.scheduler.num_waiting_requests
+                while deadline is not None and not engine.inflight_done():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    if poller.poll(1 if left > 0.0015 else 0):  # (whole ms) the last one in 0.1 ms sleeps
                         stop = receive(pull, core, deltas)
                         deadline = None if stop else engine.bind_deadline()  # arrivals: a longer host lead
-                t_loop += time.perf_counter() - t_window  # waiting, not host work (observe_loop)
+                    elif left <= 0.0015:
+                        time.sleep(0.0001)
+                waited = time.perf_counter() - t_window
+                t_loop += waited  # waiting, not host work (observe_loop)
+                st = core.loop_stats
+                st["core_bind_windows_total"] += 1
+                st["core_bind_window_seconds_total"] += waited
+                st["core_bind_window_arrivals_total"] += max(engine.scheduler.num_waiting_requests - waiting, 0)
             if not stop and engine.has_unfinished_requests():
                 checked_idle = False
                 n_before = len(deltas)
@@ -261,6 +276,11 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             pass
         raise
     finally:
+        st = core.loop_stats
+        if engine.late_binding:
+            log.info("late binding: %d windows (%.2f ms mean), %d requests arrived in them, %d steps timed",
+                     st["core_bind_windows_total"], 1e3 * st["core_bind_window_seconds_total"] /
+                     max(st["core_bind_windows_total"], 1), st["core_bind_window_arrivals_total"], engine.clock.measured)
         try:
             engine.shutdown()  # stops tensor-parallel worker processes
         except Exception:  # noqa: BLE001 -- best effort: the core is exiting anyway

@@ -19,7 +19,7 @@ without late binding.
 from __future__ import annotations
 
 ALPHA = 0.25  # weight of the newest measurement in the moving averages
-MARGIN_S = 0.001  # launch the next step this much before the predicted end, beyond the host's own time
+MARGIN_S = 0.0005  # launch the next step this much before the predicted end, beyond the host's own time
 
 
 def _ema(old: float | None, new: float) -> float:
