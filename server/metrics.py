@@ -56,6 +56,10 @@ HELP = {
     "core_full_decode_steps_total": "Decode-only engine steps at the full batch (max_num_seqs sequences).",
     "core_full_decode_step_seconds_total": "Wall time of the engine core's loop over those full-batch steps.",
     "core_full_decode_step_seconds": "Wall time of one full-batch decode-only step of the engine core's loop.",
+    "core_bind_windows_total": "Late binding: engine-core loop iterations that waited for arrivals before "
+                               "scheduling the next step.",
+    "core_bind_window_seconds_total": "Late binding: time the engine core waited in those windows.",
+    "core_bind_window_arrivals_total": "Late binding: requests queued during those windows (each one step sooner).",
     "request_refused_total": "Requests refused with an HTTP error, by status.",
 }
 

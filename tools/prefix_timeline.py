@@ -9,7 +9,9 @@ SERVER_TRACE.json: the API server's `/probe/trace` (add_sent per request; http_i
 optional. Prints per turn the median of each TTFT part (client send -> server hands the request to the
 core -> the core queues it -> the core sends its first token -> the client reads it; the first part also
 split at the ASGI call: the client's send and HTTP parsing before it, body read and route after it), the burst's arrival spread at the core, and the
-steps that ran while the turn's requests waited for their first token; then one turn's steps in full.
+steps that ran while the turn's requests waited for their first token; over turns 2..T the hand-over -> first
+token median and how many step calls ended in between (2: the request ran in the step after the one in flight,
+as late binding does when it arrives in time; 3: one step later); then one turn's steps in full.
 """
 from __future__ import annotations
 
