@@ -10,6 +10,7 @@
 #   B. one server (--max-num-seqs 64), bench serve in 128 / out 128 at concurrency 1, 64, 64: TTFT / TPOT medians,
 #      output tok/s; the acceptance lines (c = 64 out tok/s >= 0.9 x S_TG; c = 1 TTFT median <= 25 ms; c = 1 TPOT
 #      median within 10 % of the npl 1 ms/step) computed from A and B
+#      SERVE_FLAGS="a|b" runs one server per '|'-separated flag set (e.g. "|--mixed-batch"), labels 0, 1, ...
 #   C. if time is left (BUDGET, default 235 s, minus elapsed >= 50 s): the probe at 2048 / 8192 tokens again
 # Every stage has its own timeout; $OUT/report.md, JSON and logs beside it.
 . tools/device_env.sh >/dev/null
@@ -35,18 +36,28 @@ if [ "${MODE:-serve}" = profile ]; then
 fi
 # the bench's own default budget is "all prompts in one step": pass the engine default explicitly
 batched npl1_64 ${TA:-100} 1,64 --max-num-batched-tokens 8192
-PORT=8071
-timeout ${TS:-130} python3 -m linrnn_serve --model qwen35moe-nvfp4 --load-format dummy --host 127.0.0.1 --port $PORT \
-  --max-num-seqs 64 --disable-log-requests > $W/server.log 2>&1 &
-srv=$!
-for _ in $(seq 1 110); do curl -sf 127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
-echo "[$SECONDS s] server up" | tee -a $W/report.md
-grep -E "caches:|max_num_batched_tokens" $W/server.log | sed 's/.*INFO//' | cut -c1-400 | tee -a $W/report.md
-timeout 60 python3 -m linrnn_serve bench serve --base-url http://127.0.0.1:$PORT --input-len 128 --output-len 128 \
-  --max-concurrency 1,64,64 --out $W/serve.json > $W/serve.log 2>&1
-echo "[$SECONDS s] serve: rc $?" | tee -a $W/report.md
-kill -INT $srv; wait $srv
-python3 - $W <<'PY' | tee -a $W/report.md
+serve_one() {  # $1 label, $2 port, then extra server flags
+  local label=$1 port=$2; shift 2
+  timeout ${TS:-130} python3 -m linrnn_serve --model qwen35moe-nvfp4 --load-format dummy --host 127.0.0.1 --port $port \
+    --max-num-seqs 64 --disable-log-requests "$@" > $W/server$label.log 2>&1 &
+  local srv=$!
+  for _ in $(seq 1 110); do curl -sf 127.0.0.1:$port/health >/dev/null && break; sleep 1; done
+  echo "[$SECONDS s] server$label up (flags: $*)" | tee -a $W/report.md
+  grep -E "caches:|max_num_batched_tokens" $W/server$label.log | sed 's/.*INFO//' | cut -c1-400 | tee -a $W/report.md
+  timeout 60 python3 -m linrnn_serve bench serve --base-url http://127.0.0.1:$port --input-len 128 --output-len 128 \
+    --max-concurrency 1,64,64 --out $W/serve$label.json > $W/serve$label.log 2>&1
+  echo "[$SECONDS s] serve$label: rc $?" | tee -a $W/report.md
+  kill -INT $srv; wait $srv
+}
+IFS='|' read -ra FLAG_SETS <<< "${SERVE_FLAGS-}"
+[ ${#FLAG_SETS[@]} -eq 0 ] && FLAG_SETS=("")
+LABELS=()
+for i in "${!FLAG_SETS[@]}"; do
+  label=$([ ${#FLAG_SETS[@]} -gt 1 ] && echo "_$i" || echo "")
+  LABELS+=("$label:${FLAG_SETS[$i]}")
+  serve_one "$label" $((8071 + i)) ${FLAG_SETS[$i]}
+done
+python3 - $W "${LABELS[@]}" <<'PY' | tee -a $W/report.md
 import json, sys
 w = sys.argv[1]
 def load(p):
@@ -54,15 +65,19 @@ def load(p):
         return json.load(open(f"{w}/{p}"))
     except Exception as e:
         print(f"({p}: {type(e).__name__} {e})")
-b, s = load("batched_npl1_64/batched.json"), load("serve.json")
+b = load("batched_npl1_64/batched.json")
 rows = {r["B"]: r for r in b["configs"][0]["rows"]} if b else {}
 r1, r64 = rows.get(1), rows.get(64)
 if r1 and r64:
     print(f"\nbench batched: npl 1 {r1['ms_per_step']:.3f} ms/step; npl 64 S_TG {r64['S_TG']:.0f} tok/s "
           f"({r64['ms_per_step']:.2f} ms/step), T_PP {r64['T_PP']:.3f} s")
-print("\n| c | TTFT median ms | TPOT median ms | ITL median ms | ITL p99 ms | out tok/s | acceptance |")
-print("|---:|---:|---:|---:|---:|---:|---|")
-for r in (s or {}).get("runs", []):
+print("\n| server flags | c | TTFT median ms | TPOT median ms | ITL median ms | ITL p99 ms | out tok/s | acceptance |")
+print("|---|---:|---:|---:|---:|---:|---:|---|")
+runs = []
+for lf in sys.argv[2:]:
+    label, flags = lf.split(":", 1)
+    runs += [(flags or "default", r) for r in (load(f"serve{label}.json") or {}).get("runs", [])]
+for flags, r in runs:
     c = r.get("max_concurrency")
     acc = "-"
     if c == 1 and r1:
@@ -72,7 +87,7 @@ for r in (s or {}).get("runs", []):
     elif c == 64 and r64:
         q = r["output_throughput"] / r64["S_TG"]
         acc = f"{q:.3f} x S_TG ({'met' if q >= 0.9 else 'missed'})"
-    print(f"| {c} | {r['ttft_ms']['median']:.1f} | {r['tpot_ms']['median']:.2f} | {r['itl_ms']['median']:.2f} | "
+    print(f"| {flags} | {c} | {r['ttft_ms']['median']:.1f} | {r['tpot_ms']['median']:.2f} | {r['itl_ms']['median']:.2f} | "
           f"{r['itl_ms']['p99']:.1f} | {r['output_throughput']:.0f} | {acc} |")
 PY
 left=$((${BUDGET:-235} - SECONDS))
