@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lead's final device calls on one H200, on the merged tree. Pass the real commit: LINRNN_COMMIT=<sha>.
 #   bash tools/gpu_final.sh T   # <= 8 min: every GPU test (kernel files in parallel, engine files one at a time;
-#                               # KERNEL_TESTS="tests/x.py ..." adds kernel test files)
+#                               # KERNEL_TESTS="tests/x.py ..." adds kernel test files, GPU_TESTS files run with -m gpu)
 #   bash tools/gpu_final.sh A   # ~5 min: headline batched decode (f32 and tau=16, npl 1-128,
 #                               # vs vLLM 0.26, profiles at npl 1 / 128); grammar-mask cost at npl 32
 #   bash tools/gpu_final.sh B   # ~5 min: serving through the engine-core process (c = 1, 64); prefix-caching
@@ -29,7 +29,7 @@ part_t() {
       --timeout 250 > $R/tests_kernels.log 2>&1; echo "rc $?" >> $R/tests_kernels.log ) &
   local A=$!
   timeout 480 $PYT -m gpu tests/test_engine_gpu.py tests/test_structured_gpu.py tests/test_prefix_gpu.py \
-    tests/test_prefill_graphs.py tests/test_overlap_gpu.py tests/test_tensor_parallel_gpu.py tests/test_quant_checkpoints.py \
+    tests/test_prefill_graphs.py tests/test_overlap_gpu.py tests/test_tensor_parallel_gpu.py tests/test_quant_checkpoints.py $GPU_TESTS \
     --timeout 250 > $R/tests_engine.log 2>&1; echo "rc $?" >> $R/tests_engine.log
   wait $A
   el "tests done"
