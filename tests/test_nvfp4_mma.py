@@ -10,6 +10,7 @@ sizes and per-expert loads, NaN-poisoned buffers, bitwise reproducibility and CU
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -229,6 +230,8 @@ def test_split_k_fills_sms():
     assert experts.mma_tile(8 * 256, 256) == experts.MMA_TILES[-1][1:]  # B = 256
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the alignment kernel runs on CPU tensors "
+                    "(interpreter); on a CUDA machine the GPU tests cover the chain")
 @pytest.mark.parametrize("fused_reduce,combine", [(True, True), (False, True), (True, False)])
 def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine):
     """The launch order PDL relies on (recorded on the CPU with the launches stubbed): gate_up is launched plainly
