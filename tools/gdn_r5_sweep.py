@@ -81,38 +81,6 @@ def check(names) -> list[str]:
     return bad
 
 
-def time_graph_queued(calls, iters: int = 20) -> float:
-    """common.time_graph with the CPU's graph launch off the clock: each timed replay is queued behind an
-    untimed one, so the start event fires when the GPU reaches it (the engine's step graph launches once for
-    every layer; the registry's 2-call graphs pay one launch latency per 2 calls)."""
-    import statistics
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return statistics.median(times)
-
-
 def bench(names, batches, fractions, iters, out) -> list[dict]:
     from linrnn_bench.kernels.common import copy_bandwidth_gbs, time_graph
     from linrnn_bench.kernels.gdn import decode_bytes, head_mask, make_pools, make_step_inputs, rotation_sets
@@ -137,7 +105,7 @@ def bench(names, batches, fractions, iters, out) -> list[dict]:
                     fn = [lambda s=s, n=base: call(n, q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, s)
                           for s in sets]
                     try:
-                        us = (time_graph_queued if name != base else time_graph)(fn, iters) * 1e3
+                        us = time_graph(fn, iters, queued=name != base) * 1e3
                     except Exception as e:  # noqa: BLE001 - a variant that does not run is reported
                         print(f"ERROR {name} B={B} f32={f}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                         continue
