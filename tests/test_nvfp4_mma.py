@@ -460,7 +460,8 @@ def test_mma_pdl_bitwise_equal(nan_buffers, B):
     from linrnn_kernels.gemv.config import pdl_available
 
     if not pdl_available(torch.device("cuda")):
-        pytest.skip("no PDL on this device")
+        pytest.skip("programmatic dependent launch needs an sm_90+ GPU and a Triton with gdc_wait (3.6+); "
+                    "the chain then runs without it, which the other GPU tests cover")
     E, k, H, I = 256, 8, 2048, 512
     w13, w2 = _weights(E, H, I, "cuda", seed=7)
     x = torch.randn(B, H, device="cuda").bfloat16()
