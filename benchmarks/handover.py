@@ -33,7 +33,7 @@ import time
 
 from linrnn_bench.host_overhead import StubExecutor
 
-PACE_ENV = "LINRNN_STUB_PACE"  # "decode_ms,prefill_tokens_per_ms" for the core process
+PACE_ENV = "LINRNN_STUB_PACE"  # "decode_ms,prefill_tokens_per_ms[,prefill_fixed_ms]" for the core process
 UVICORN_ENV = "LINRNN_HANDOVER_UVICORN"  # "loop,http" forced on uvicorn (default: its "auto")
 
 
@@ -42,21 +42,33 @@ class PacedStubExecutor(StubExecutor):
     decode-ms + prefill tokens / prefill-tokens-per-ms (at least until its launch returns), starting when
     its launch starts or when the step before it ends, whichever is later; its sampled ids are ready at its
     end (`PacedStep`). So the overlapped loop (--async-scheduling) runs as on the GPU: the host prepares
-    step N+1 while N "runs"."""
+    step N+1 while N "runs". With a third pace value, prefill-fixed-ms, the two forwards of a step are
+    paced apart, as the GPU runs them without mixed batches: decode-ms if the step has decode rows, plus
+    prefill-fixed-ms + tokens / prefill-tokens-per-ms if it has prefill rows."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        d, p = (float(x) for x in os.environ.get(PACE_ENV, "8.5,50").split(","))
-        self.decode_s, self.prefill_tokens_per_s = d / 1e3, p * 1e3
+        pace = [float(x) for x in os.environ.get(PACE_ENV, "8.5,50").split(",")]
+        self.decode_s, self.prefill_tokens_per_s = pace[0] / 1e3, pace[1] * 1e3
+        self.prefill_fixed_s = pace[2] / 1e3 if len(pace) > 2 else None
         self.device_free_at = 0.0
+
+    def busy_s(self, plan) -> float:
+        """The step's time on the virtual device."""
+        if plan.empty:
+            return 0.0  # snapshot copies only
+        tokens = sum(len(r.token_ids) for r in plan.prefill)
+        if self.prefill_fixed_s is None:
+            return self.decode_s + tokens / self.prefill_tokens_per_s
+        return (self.decode_s if plan.decode or plan.cached else 0.0) + \
+            (self.prefill_fixed_s + tokens / self.prefill_tokens_per_s if plan.prefill else 0.0)
 
     def execute_async(self, plan):
         t0 = time.perf_counter()
         # the stub's host work: on the CPU it includes what a GPU does on its stream (state snapshot copies,
         # the "forward"), so the step starts on the virtual device at the launch's start, not its end
         pending = super().execute_async(plan)
-        tokens = sum(len(r.token_ids) for r in plan.prefill)
-        busy = 0.0 if plan.empty else self.decode_s + tokens / self.prefill_tokens_per_s  # empty: snapshot copies
+        busy = self.busy_s(plan)
         end = self.device_free_at = max(max(t0, self.device_free_at) + busy, time.perf_counter())
         return PacedStep(pending, end)
 

@@ -9,6 +9,7 @@ changes: the probe wraps objects at start-up; the engine core runs as `serve_pro
 the core's objects, then calls the core's main):
 
     core     the engine core encodes a step's StepOutputs (right before its ZeroMQ send)
+    gc       a garbage collection that stopped the core or the server for more than GC_MIN_S (not a hop)
     recv     the API server's receiver thread has the message (decoded)
     applied  ... has appended it to the request's state and detokenized it (then wakes the event loop)
     wake     the event loop runs the wake-up callback
@@ -39,6 +40,26 @@ from urllib.parse import urlparse
 TRACE_ENV = "LINRNN_PROBE_DIR"
 LOOP_ENV = "LINRNN_PROBE_LOOP"
 now = time.monotonic
+
+GC_MIN_S = 0.002  # collections shorter than this are not recorded
+
+
+def watch_gc(record) -> None:
+    """Call record(start, generation, seconds) after every garbage collection of this process that took more
+    than GC_MIN_S: a full collection over a large heap stops every thread of the process (the event loop's
+    streams, the core's steps) for as long as it runs."""
+    import gc
+
+    started = [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            started[0] = now()
+        elif now() - started[0] > GC_MIN_S:
+            record(started[0], info["generation"], now() - started[0])
+
+    gc.callbacks.append(cb)
+
 
 # ---------------------------------------------------------------------------------------------------
 # engine-core process
@@ -92,6 +113,7 @@ def core_main(argv: list[str]) -> None:
         return out
 
     core.EngineCore.add, core.EngineCore.step = traced_add, traced_step
+    watch_gc(lambda t, gen, d: buf.append(json.dumps(["gc", t, gen, d]) + "\n"))
     try:
         core.main(argv)
     finally:
@@ -112,7 +134,9 @@ class ServerTrace:
         self.lag_task = None
 
     def add(self, *ev) -> None:
-        self.events.append(list(ev))
+        # tuples of numbers and strings (the token lists too): the collector stops tracking them, so the
+        # growing trace does not lengthen the server's garbage collections (what `gc` events measure)
+        self.events.append(tuple(tuple(x) if isinstance(x, list) else x for x in ev))
 
 
 LAG_TICK_S = 0.001
@@ -146,6 +170,7 @@ def install_server_probe(trace: ServerTrace) -> None:
             return subprocess.Popen(args, **kw)
 
     cc.subprocess = _Subprocess()
+    watch_gc(lambda t, gen, d: trace.add("gc", t, gen, d))
     real_decoder = cc.outputs_decoder
 
     class Decoder:

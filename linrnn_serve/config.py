@@ -355,3 +355,6 @@ class EngineConfig:
     # mixed batches: a step with prefill rows runs its decode rows inside the prefill forward as one-token chunks
     # (one forward per step instead of two). None: MIXED_BATCH_DEFAULT (runner/model_runner.py)
     mixed_batch: bool | None = None
+    # burst coalescing (engine/burst.py): the engine-core process holds new prompts back briefly so that a burst of
+    # arrivals prefills in one step. None: on in the engine-core process (the offline engine never holds)
+    coalesce_bursts: bool | None = None

@@ -190,6 +190,11 @@ class EngineArgs:
                                    "to end (reading new requests meanwhile), not at its start: a request arriving "
                                    "during step N runs in N+1 (default: on where steps overlap)",
                                    action=argparse.BooleanOptionalAction)
+    coalesce_bursts: bool | None = _f(None, "new prompts wait briefly (at most 50 ms) for the rest of their burst "
+                                      "(the successors of requests that ended together, arrivals close together, "
+                                      "a batch about to end) so that the burst prefills in one step; a lone "
+                                      "request never waits (default: on in the server's engine core)",
+                                      action=argparse.BooleanOptionalAction)
     mixed_batch: bool | None = _f(None, "a step with prompts to prefill runs its decode rows in the same forward, "
                                   "as one-token chunks (one forward per step, not two); their logits then "
                                   "depend on who else is prefilling in the last bits (default: off, see "
@@ -300,6 +305,7 @@ class EngineArgs:
             else max(human_int(self.max_num_batched_tokens), self.max_num_seqs),
             gpu_memory_utilization=self.gpu_memory_utilization, block_size=self.block_size,
             enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling, late_binding=self.late_binding,
+            coalesce_bursts=self.coalesce_bursts,
             mixed_batch=self.mixed_batch,
             ssm_bf16_tau=float(self.ssm_bf16_tau),
             ssm_calibration=self.ssm_calibration, seed=self.seed, max_queue_len=self.max_queue_len,

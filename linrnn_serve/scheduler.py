@@ -288,7 +288,17 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- scheduling -----------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    @property
+    def oldest_waiting_arrival(self) -> float | None:
+        """The arrival time of the first request in the waiting queue (None: it is empty)."""
+        return self.waiting[0].group.arrival_time if self.waiting else None
+
+    def num_finishing_within(self, steps: int) -> int:
+        """Running sequences that reach their length limit within `steps` more decode steps."""
+        return sum(1 for s in self.running if s.max_len - len(s.token_ids) - s.num_inflight <= steps)
+
+    def schedule(self, admit: bool = True) -> StepPlan:
+        """The next step's plan; `admit=False` leaves the waiting queue where it is (engine/burst.py)."""
         plan = StepPlan()
         plan.snapshot_saves_before, self._pending_saves = self._pending_saves, []
         budget = self.cfg.max_num_batched_tokens
@@ -345,7 +355,7 @@ class Scheduler:
             budget -= n
 
         bs = self.cfg.block_size
-        while self.waiting and budget > 0:  # 3. admission
+        while admit and self.waiting and budget > 0:  # 3. admission
             seq = self.waiting[0]
             if seq.num_inflight or self.slots.num_free < 1 + len(seq.pending_children):
                 break  # (preempted while a step sampling its next token is in flight: re-prefill once it arrives)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import pickle
 import time
@@ -62,12 +63,18 @@ class EngineCore:
                            # late binding: iterations that waited for arrivals before scheduling, the time waited,
                            # and the requests that came in meanwhile (they run one step sooner)
                            "core_bind_windows_total": 0, "core_bind_window_seconds_total": 0.0,
-                           "core_bind_window_arrivals_total": 0}
+                           "core_bind_window_arrivals_total": 0,
+                           # burst coalescing: time the core waited, with nothing else to run, for the rest of a
+                           # burst of arrivals (engine/burst.py), and the scheduling decisions that held admission
+                           "core_burst_idle_seconds_total": 0.0, "core_burst_holds_total": 0}
         self.step_hist = Histogram(STEP_BUCKETS)
         self.full_step_hist = Histogram(STEP_BUCKETS)
 
     @property
     def stats(self) -> dict:
+        burst = self.engine.burst
+        if burst is not None:
+            self.loop_stats["core_burst_holds_total"] = burst.holds
         return {**self.loop_stats, "core_decode_step_seconds": self.step_hist.snapshot(),
                 "core_full_decode_step_seconds": self.full_step_hist.snapshot()}
 
@@ -186,6 +193,10 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
         ctx.term()
         return
     engine.detokenize_all = False
+    if config.coalesce_bursts is not False:
+        from linrnn_serve.engine.burst import BurstHold
+
+        engine.burst = BurstHold()
     if engine.device.type == "cpu":  # leave a core to the API server: spinning OpenMP threads starve it
         import torch
 
@@ -211,10 +222,15 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             t_loop = time.perf_counter()
             stepped = False
             busy = engine.has_unfinished_requests()
+            hold = engine.idle_hold_until() if busy else None  # only held arrivals: wait for the rest of the burst
             out = StepOutputs([])  # this iteration's message: add refusals, abort deltas, then the step's
             deltas = out.deltas
-            if poller.poll(0 if busy else 100):
+            wait_ms = 100 if not busy else 0 if hold is None else max(1, math.ceil(1e3 * (hold - time.monotonic())))
+            if poller.poll(wait_ms):
                 stop = receive(pull, core, deltas)
+            if hold is not None:
+                core.loop_stats["core_burst_idle_seconds_total"] += time.perf_counter() - t_loop
+                hold = None if stop else engine.idle_hold_until()  # the burst's rest may have come
             deadline = None if stop else engine.bind_deadline()
             if deadline is not None:  # late binding: take arrivals until just before the step in flight ends
                 t_window = time.perf_counter()
@@ -234,7 +250,9 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
                 st["core_bind_windows_total"] += 1
                 st["core_bind_window_seconds_total"] += waited
                 st["core_bind_window_arrivals_total"] += max(engine.scheduler.num_waiting_requests - waiting, 0)
-            if not stop and engine.has_unfinished_requests():
+            if hold is not None:
+                pass  # nothing to run until the hold ends or more arrive
+            elif not stop and engine.has_unfinished_requests():
                 checked_idle = False
                 n_before = len(deltas)
                 core.step(out)
@@ -281,6 +299,9 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
             log.info("late binding: %d windows (%.2f ms mean), %d requests arrived in them, %d steps timed",
                      st["core_bind_windows_total"], 1e3 * st["core_bind_window_seconds_total"] /
                      max(st["core_bind_windows_total"], 1), st["core_bind_window_arrivals_total"], engine.clock.measured)
+        if engine.burst is not None:
+            log.info("burst coalescing: %d holds, %.1f ms waited with nothing else to run", engine.burst.holds,
+                     1e3 * st["core_burst_idle_seconds_total"])
         try:
             engine.shutdown()  # stops tensor-parallel worker processes
         except Exception:  # noqa: BLE001 -- best effort: the core is exiting anyway

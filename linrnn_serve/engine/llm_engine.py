@@ -39,6 +39,7 @@ from linrnn_serve.config import EngineConfig, ModelConfig, default_max_num_batch
 from linrnn_serve.engine_args import EngineArgs
 from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
+from linrnn_serve.engine.burst import IMMINENT_STEPS, BurstHold
 from linrnn_serve.engine.step_clock import StepClock
 from linrnn_serve.engine.errors import EngineFullError, RequestError
 from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
@@ -140,6 +141,8 @@ class LLMEngine:
         self._host_token_reqs: set[str] = set()  # requests whose sampling reads their previous tokens on the host
         self._accepted = None  # the last step whose sampled tokens went to the grammar matchers
         self.clock = StepClock()  # launched steps' device time: late binding (bind_deadline)
+        # burst coalescing (engine/burst.py): set by the engine-core process; None: admit whatever waits
+        self.burst: BurstHold | None = None
 
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in cfg.eos_token_id if e not in eos]
@@ -278,6 +281,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, seed, prompt=text, arrival_time=arrival_time)
         self.scheduler.add_request(req)
+        if self.burst is not None:
+            self.burst.arrived(time.monotonic())
         if self.structured.needs(params):
             self.structured.add([s.seq_id for s in req.seqs], params)
         if self._needs_host_tokens(params):
@@ -327,7 +332,7 @@ class LLMEngine:
         if sync and self._inflight is not None:  # the next schedule needs the in-flight tokens on the host
             return self._complete(self._take_inflight())
         t_schedule = time.monotonic()
-        plan = self.last_plan = self.scheduler.schedule()
+        plan = self.last_plan = self.scheduler.schedule(self.burst is None or self._hold(t_schedule) is None)
         done = self._take_inflight()
         if plan.empty and plan.snapshot_saves_before:  # finished sequences' prefix-cache snapshots: taken
             self.executor.execute_async(plan)          # before the slots are reused (stream-ordered)
@@ -378,6 +383,21 @@ class LLMEngine:
         s = self.scheduler
         return self.clock.deadline(min(s.num_waiting_seqs, max(self.config.max_num_seqs - s.num_running_seqs, 0)))
 
+    def _hold(self, now: float) -> float | None:
+        """Until when burst coalescing holds the waiting requests' admission (engine/burst.py); None: admit."""
+        s = self.scheduler
+        if not s.waiting:
+            return None
+        return self.burst.until(now, s.oldest_waiting_arrival, len(s.waiting),
+                                lambda: s.num_finishing_within(IMMINENT_STEPS))
+
+    def idle_hold_until(self) -> float | None:
+        """With nothing to run but waiting requests that burst coalescing holds back: until when (a
+        time.monotonic(); the engine-core process waits for arrivals meanwhile); None otherwise."""
+        if self.burst is None or self._inflight is not None or self.scheduler.running:
+            return None
+        return self._hold(time.monotonic())
+
     def inflight_done(self) -> bool:
         """Whether the step in flight has finished (its sampled ids are on the host); True if none."""
         if self._inflight is None:
@@ -399,13 +419,17 @@ class LLMEngine:
         self._accept_sampled(pending)
         reqs = self.scheduler.postprocess(plan, result, now)
         self.num_steps += 1
+        ended = 0
         for req in reqs:
             if req.finished_time is not None:  # (Request.finished, without its pass over the samples)
+                ended += not req.aborted
                 self._observe_finish(req, now)
                 self._host_token_reqs.discard(req.request_id)
                 if constrained:
                     for s in req.seqs:
                         self.structured.remove(s.seq_id)
+        if ended and self.burst is not None:
+            self.burst.finished(ended, now)
         return reqs
 
     def _observe_finish(self, req: Request, now: float) -> None:

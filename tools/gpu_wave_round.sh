@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Wave round (issue #14 c = 64 line): one H200 call; pass LINRNN_COMMIT=<sha>; timeout_s 240.
+#   A. bench batched --npl 1,64 (PP = TG = 128, token budget 8192): ms/step at npl 1, S_TG at npl 64
+#   B. per '|'-separated flag set of SERVE_FLAGS (default "|--mixed-batch"; labels 0, 1, ...): one server
+#      (--max-num-seqs 64), bench serve in 128 / out 128 at concurrency 1, 64, 64; a flag set starts only if
+#      the call has >= 95 s left of BUDGET (default 232 s): a server takes ~65 s to start
+#   C. the report: the acceptance lines (c = 64 output tok/s >= 0.9 x S_TG; c = 1 TTFT median <= 25 ms; c = 1 TPOT
+#      median within 10 % of npl 1's ms/step) and the per-wave arithmetic of each c = 64 run: wave = duration /
+#      (prompts / 64); decode = 127 x npl 64's ms/step; the rest (prefill + hand-back) against what 0.9 x S_TG
+#      allows; with each server's burst-coalescing and late-binding log lines
+# Every stage has its own timeout; $OUT/report.md, JSON and logs beside it.
+. tools/device_env.sh >/dev/null
+OUT=${OUT:-/tmp/out}; W=$OUT; mkdir -p $W
+echo "commit ${LINRNN_COMMIT:-unknown}, $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader)" | tee $W/report.md
+BUDGET=${BUDGET:-232}
+timeout ${TA:-100} python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,64 \
+  --config "model=qwen35moe-nvfp4" --no-progress --out $W/batched --max-num-batched-tokens 8192 > $W/batched.log 2>&1
+echo "[$SECONDS s] batched: rc $?" | tee -a $W/report.md
+serve_one() {  # $1 label, $2 port, then extra server flags
+  local label=$1 port=$2; shift 2
+  timeout $((BUDGET - SECONDS - 3)) python3 -m linrnn_serve --model qwen35moe-nvfp4 --load-format dummy \
+    --host 127.0.0.1 --port $port --max-num-seqs 64 --disable-log-requests "$@" > $W/server$label.log 2>&1 &
+  local srv=$!
+  for _ in $(seq 1 110); do curl -sf 127.0.0.1:$port/health >/dev/null && break; sleep 1; done
+  echo "[$SECONDS s] server$label up (flags: $*)" | tee -a $W/report.md
+  timeout $((BUDGET - SECONDS - 6)) python3 -m linrnn_serve bench serve --base-url http://127.0.0.1:$port \
+    --input-len 128 --output-len 128 --max-concurrency 1,64,64 --out $W/serve$label.json > $W/serve$label.log 2>&1
+  echo "[$SECONDS s] serve$label: rc $?" | tee -a $W/report.md
+  kill -INT $srv; wait $srv
+  grep -E "burst coalescing|late binding:" $W/server$label.log | sed 's/.*\[core\]: //' | tee -a $W/report.md
+}
+IFS='|' read -ra FLAG_SETS <<< "${SERVE_FLAGS-|--mixed-batch}"
+[ ${#FLAG_SETS[@]} -eq 0 ] && FLAG_SETS=("")
+LABELS=()
+for i in "${!FLAG_SETS[@]}"; do
+  if [ $((BUDGET - SECONDS)) -lt 95 ]; then
+    echo "[$SECONDS s] server_$i (flags: ${FLAG_SETS[$i]}) not started: $((BUDGET - SECONDS)) s left" | tee -a $W/report.md
+    continue
+  fi
+  LABELS+=("_$i:${FLAG_SETS[$i]}")
+  serve_one "_$i" $((8071 + i)) ${FLAG_SETS[$i]}
+done
+python3 - $W "${LABELS[@]}" <<'PY' | tee -a $W/report.md
+import json, sys
+w = sys.argv[1]
+def load(p):
+    try:
+        return json.load(open(f"{w}/{p}"))
+    except Exception as e:
+        print(f"({p}: {type(e).__name__} {e})")
+b = load("batched/batched.json")
+rows = {r["B"]: r for r in b["configs"][0]["rows"]} if b else {}
+r1, r64 = rows.get(1), rows.get(64)
+if r1 and r64:
+    print(f"\nbench batched: npl 1 {r1['ms_per_step']:.3f} ms/step; npl 64 S_TG {r64['S_TG']:.0f} tok/s "
+          f"({r64['ms_per_step']:.3f} ms/step), T_PP {r64['T_PP']:.3f} s")
+print("\n| server flags | c | TTFT median ms | TPOT median ms | ITL p99 ms | out tok/s | acceptance | per wave: wave ms = "
+      "127 decode steps + the rest (0.9x allows) |")
+print("|---|---:|---:|---:|---:|---:|---|---|")
+for lf in sys.argv[2:]:
+    label, flags = lf.split(":", 1)
+    for r in (load(f"serve{label}.json") or {}).get("runs", []):
+        c = r.get("max_concurrency")
+        acc = wave = "-"
+        if c == 1 and r1:
+            tp = r["tpot_ms"]["median"] / r1["ms_per_step"] - 1
+            acc = (f"TTFT {'<=' if r['ttft_ms']['median'] <= 25 else '>'} 25 ms; TPOT {100 * tp:+.1f} % vs npl 1 "
+                   f"({'met' if abs(tp) <= 0.10 else 'missed'})")
+        elif c == 64 and r64:
+            q = r["output_throughput"] / r64["S_TG"]
+            acc = f"{q:.3f} x S_TG ({'met' if q >= 0.9 else 'missed'})"
+            waves = r["num_prompts"] / c
+            wave_ms = 1e3 * r["duration_s"] / waves
+            dec = 127 * r64["ms_per_step"]
+            allow = 1e3 * c * r["output_len"] / (0.9 * r64["S_TG"]) - dec
+            wave = f"{wave_ms:.1f} = {dec:.1f} + {wave_ms - dec:.1f} ({allow:.1f})"
+        print(f"| {flags or 'default'} | {c} | {r['ttft_ms']['median']:.1f} | {r['tpot_ms']['median']:.2f} | "
+              f"{r['itl_ms']['p99']:.1f} | {r['output_throughput']:.0f} | {acc} | {wave} |")
+PY
+cat $W/report.md
