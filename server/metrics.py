@@ -60,6 +60,10 @@ HELP = {
                                "scheduling the next step.",
     "core_bind_window_seconds_total": "Late binding: time the engine core waited in those windows.",
     "core_bind_window_arrivals_total": "Late binding: requests queued during those windows (each one step sooner).",
+    "core_burst_holds_total": "Burst coalescing: scheduling decisions that held new prompts back for the rest of "
+                              "their burst.",
+    "core_burst_idle_seconds_total": "Burst coalescing: time the engine core waited, with nothing else to run, for "
+                                     "the rest of a burst of arrivals.",
     "request_refused_total": "Requests refused with an HTTP error, by status.",
 }
 

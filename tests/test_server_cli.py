@@ -58,3 +58,37 @@ def test_busy_port_fails_before_loading(caplog):
         with caplog.at_level(logging.ERROR):
             rc = cli.run(parse("--model", "no-such-model-xyz", "--host", "127.0.0.1", "--port", str(port)))
     assert rc == 1 and f"cannot listen on 127.0.0.1:{port}" in caplog.text
+
+
+def test_the_server_freezes_its_start_up_heap_before_serving(monkeypatch):
+    """Every object alive at start-up leaves the collector's reach before uvicorn serves: a full collection over
+    them stalled the event loop for 100-200 ms under a c = 64 wave (benchmarks/wave.py)."""
+    import gc
+    import threading
+
+    import linrnn_serve.engine.core_client as core_client
+    import linrnn_server.app as app_mod
+
+    class Engine:
+        def shutdown_sync(self, timeout):
+            pass
+
+    class Server:
+        started = False
+
+        def run(self, sockets):
+            self.frozen = gc.get_freeze_count()
+
+    server = Server()
+    monkeypatch.setattr(core_client, "start_engine_client", lambda config, log_level: Engine())
+    monkeypatch.setattr(app_mod, "build_app", lambda engine, **kw: argparse.Namespace(state=argparse.Namespace(
+        server=None)))
+    monkeypatch.setattr(cli, "draining_server", lambda config, state, timeout: server)
+    monkeypatch.setattr(cli, "_watch_engine", lambda engine, srv: threading.Event())
+    junk = [[i] for i in range(1000)]  # start-up objects
+    gc.unfreeze()
+    try:
+        assert cli.run(parse("--host", "127.0.0.1", "--port", "0")) == 1  # (the fake server never started)
+        assert server.frozen >= len(junk)
+    finally:
+        gc.unfreeze()

@@ -53,19 +53,22 @@ def test_warmup_leaves_nothing_behind(model_dir, monkeypatch, caching):
 
 
 def test_warmup_takes_every_prefix_path(model_dir, monkeypatch):
-    """The warm-up's own requests hit: a restore, a copy-on-write divergence and a full hit."""
+    """The warm-up's own requests hit: a restore, a copy-on-write divergence and a full hit; and it runs a step
+    of many prompts at the full token budget."""
     from linrnn_serve.engine import warmup
 
     monkeypatch.setenv("LINRNN_WARMUP", "0")
     eng = engine(model_dir, monkeypatch, False, True)
-    seen = {"restore": 0, "cow": 0, "cached": 0}
+    seen = {"restore": 0, "cow": 0, "cached": 0, "full budget, 4 prompts": 0}
     sched = eng.scheduler.schedule
 
-    def spy():
-        plan = sched()
+    def spy(*a, **k):
+        plan = sched(*a, **k)
         seen["restore"] += len(plan.snapshot_restores)
         seen["cow"] += len(plan.block_copies)
         seen["cached"] += len(plan.cached)
+        # the many-prompt step at the full token budget (min(16, max_num_seqs) prompts)
+        seen["full budget, 4 prompts"] += len(plan.prefill) == 4 and sum(len(r.token_ids) for r in plan.prefill) == 64
         return plan
 
     eng.scheduler.schedule = spy

@@ -332,7 +332,8 @@ class LLMEngine:
         if sync and self._inflight is not None:  # the next schedule needs the in-flight tokens on the host
             return self._complete(self._take_inflight())
         t_schedule = time.monotonic()
-        plan = self.last_plan = self.scheduler.schedule(self.burst is None or self._hold(t_schedule) is None)
+        held = self.burst is not None and self._hold(t_schedule) is not None
+        plan = self.last_plan = self.scheduler.schedule(admit=False) if held else self.scheduler.schedule()
         done = self._take_inflight()
         if plan.empty and plan.snapshot_saves_before:  # finished sequences' prefix-cache snapshots: taken
             self.executor.execute_async(plan)          # before the slots are reused (stream-ordered)

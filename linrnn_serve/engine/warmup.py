@@ -5,7 +5,7 @@ compilation; every later turn took 0.3-0.5 s).
 
 Paths covered: prefill from position 0 (a token count that is a multiple of the block size and one
 that is not), prefill continuing at a non-zero start, decode, greedy and seeded sampling after a
-prefill, a batch of two prefills at once; with prefix caching also a snapshot restore, a divergence
+prefill, a batch of two prefills at once, a full-budget step of 16 prompts; with prefix caching also a snapshot restore, a divergence
 point inside a KV block (copy-on-write), a finish snapshot and a full hit served from stored logits.
 Afterwards the prefix cache is emptied and every counter reset: metrics start at zero and nothing
 of the warm-up can be hit later.
@@ -48,11 +48,20 @@ def warm_up(engine) -> None:
         [list(prompt)],  # a full hit from the prompt-end snapshot's logits
         [[tok(4 * n + i) for i in range(bs)], [tok(5 * n + i) for i in range(bs + 3)]],  # two prefills at once
     ]
+    seeded = len(rounds) - 1  # the two prefills sample with a seed
+    # a full-budget step of many prompts (a burst that arrived together, engine/burst.py): Triton specializes
+    # integer arguments that are multiples of 16 (the prompt count) apart, and above the prefill graphs' largest
+    # bucket the step runs eagerly; the profile run covered one long prompt only (on the H200 a first 64-prompt
+    # step of a fresh server stalled a c = 64 wave by ~2 s)
+    k = min(16, engine.config.max_num_seqs)
+    m = min(budget // k, room)
+    if m >= 2:
+        rounds.append([[tok(6 * n + j * m + i) for i in range(m)] for j in range(k)])
     rid = 0
     for k, prompts in enumerate(rounds):
         for p in prompts:  # explicit seeds: the engine's own seed stream is not consumed
             params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True, seed=0) \
-                if k == len(rounds) - 1 else SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, seed=0)
+                if k == seeded else SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, seed=0)
             engine.add_request(f"warmup-{rid}", p[:room], params)
             rid += 1
         while engine.has_unfinished_requests():
