@@ -3,6 +3,7 @@
     python -m linrnn_bench.wave run --out DIR [--label L] [--concurrency 64 --num-prompts 256 --input-len 128
         --output-len 128] [--decode-ms 10.15 --prefill-tokens-per-ms 58.8] [-- server flags]
     python -m linrnn_bench.wave report DIR L1 L2 ...
+    python -m linrnn_bench.wave timeline DIR/trace_L [--wave 2]
 
 `bench serve` (random prompts, in 128 / out 128, concurrency 64) against the real API server and engine-core
 process with the forward stubbed and paced like the H200 (handover.PacedStubExecutor: a step lasts decode-ms +
@@ -166,7 +167,8 @@ def format_runs(runs: list[dict]) -> str:
         lines.append(f"| {name} | " + " | ".join(fmt.format(r["summary"][k]) for r in runs) + " |")
     for who in ("server", "core", "client"):
         lines.append(f"| GC pauses > 2 ms, {who}: count / total / max ms | " + " | ".join(
-            "{count} / {total_ms:.0f} / {max_ms:.0f}".format(**r["summary"]["gc"][who]) for r in runs) + " |")
+            "{count} / {total_ms:.0f} / {max_ms:.0f}".format(**r["summary"]["gc"][who]) if "gc" in r["summary"]
+            else "-" for r in runs) + " |")
     for name, k, fmt in (("output tok/s", "output_throughput", "{:.0f}"), ("x paced decode rate", "ratio", "{:.3f}"),
                          ("TTFT median ms", "ttft_median_ms", "{:.1f}"), ("failed", "failed", "{}"),
                          ("1-min load average", "load_avg_1m", "{:.1f}"), ("commit", "commit", "{}")):
@@ -194,6 +196,53 @@ def gc_stats(events: list[list], t0: float, t1: float) -> dict:
     return {"count": len(d), "total_ms": 1e3 * sum(d), "max_ms": 1e3 * max(d, default=0.0)}
 
 
+def timeline(trace: str, wave: int, concurrency: int, output_len: int, before_s: float = 0.04,
+             after_s: float = 0.2) -> str:
+    """One wave's events, core and API server merged (ms from the wave's first request at the core; repeats of an
+    event folded into one line with their count): the hand-back from the previous wave's last tokens to the
+    prefill step, and that step's first tokens."""
+    core = load_core(trace)
+    with open(os.path.join(trace, "server.json")) as f:
+        server = json.load(f)["events"]
+    ev = []
+    for e in core:
+        if e[0] == "step" and len(e) > 4 and e[4]:
+            ev.append((e[1], "core step call: launched decode rows {}, prefill rows {} / tokens {}".format(*e[4][:3])))
+        elif e[0] == "core":
+            fin, first = sum(n >= output_len for _, n in e[2]), sum(n == 1 for _, n in e[2])
+            if fin or first:
+                ev.append((e[1], f"core sends: {fin} finished, {first} first tokens"))
+        elif e[0] == "add":
+            ev.append((e[1], "core add"))
+        elif e[0] == "gc":
+            ev.append((e[1], f"core GC pause {1e3 * e[3]:.1f} ms"))
+    names = {"http_in_rid": "server: a request's ASGI call", "add_sent": "server: a request to the core"}
+    for e in server:
+        if e[0] in names:
+            ev.append((e[1], names[e[0]]))
+        elif e[0] == "recv" and any(n >= output_len for _, n in e[2]):
+            ev.append((e[1], "server receives the finished"))
+        elif e[0] == "sse" and any(n >= output_len for _, n in e[2]):
+            ev.append((e[1], "server: SSE of a finished stream"))
+        elif e[0] == "gc":
+            ev.append((e[1], f"server GC pause {1e3 * e[3]:.1f} ms"))
+    ws = waves(core, concurrency, output_len)
+    adds = sorted(e[1] for e in core if e[0] == "add")
+    t0 = adds[sum(w["requests"] for w in ws[:wave])]
+    out, prev = [], None
+    for t, what in sorted(ev):
+        if not t0 - before_s <= t <= t0 + after_s:
+            continue
+        if out and what == prev:
+            out[-1][2] += 1
+            out[-1][1] = t
+        else:
+            out.append([t, t, 1, what])
+        prev = what
+    return "\n".join(f"{1e3 * (a - t0):8.1f} ms  {what}" + (f"  (x{n}, until {1e3 * (b - t0):.1f})" if n > 1 else "")
+                     for a, b, n, what in out)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "client":
@@ -212,12 +261,20 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--prefill-tokens-per-ms", type=float, default=58.8)
     r.add_argument("--prefill-fixed-ms", type=float, default=6.5)
     r.add_argument("server_args", nargs=argparse.REMAINDER)
+    tl = sub.add_parser("timeline", help="one wave's core and server events (a run's trace_LABEL directory)")
+    tl.add_argument("trace")
+    tl.add_argument("--wave", type=int, default=2)
+    tl.add_argument("--concurrency", type=int, default=64)
+    tl.add_argument("--output-len", type=int, default=128)
     rep = sub.add_parser("report")
     rep.add_argument("dir")
     rep.add_argument("labels", nargs="+")
     a = p.parse_args(argv)
     if a.mode == "run":
         return run_main(a)
+    if a.mode == "timeline":
+        print(timeline(a.trace, a.wave, a.concurrency, a.output_len))
+        return 0
     runs = []
     for label in a.labels:
         with open(os.path.join(a.dir, f"wave_{label}.json")) as f:
