@@ -36,8 +36,9 @@ import time
 from linrnn_bench.handover import PACE_ENV, _free_port, _wait_health, load_core, med
 
 
-def waves(core: list[list], concurrency: int, output_len: int) -> list[dict]:
-    """Group the core's adds into waves (a gap of more than half a decode run splits them) and time each."""
+def waves(core: list[list], concurrency: int, output_len: int, gap_s: float = 0.3) -> list[dict]:
+    """Group the core's adds into waves (adds more than gap_s apart: a new wave; at c = 64, out 128 waves are
+    ~1.4 s apart, a split wave's adds < 0.3 s) and time each."""
     adds = sorted((e[1], e[2]) for e in core if e[0] == "add")
     steps = sorted((e for e in core if e[0] == "step" and len(e) > 4 and e[4]), key=lambda e: e[1])
     sends = sorted((e for e in core if e[0] == "core"), key=lambda e: e[1])
@@ -50,7 +51,7 @@ def waves(core: list[list], concurrency: int, output_len: int) -> list[dict]:
                 last.setdefault(rid, e[1])
     groups: list[list] = []
     for t, rid in adds:
-        if groups and t - groups[-1][-1][0] < 0.3:
+        if groups and t - groups[-1][-1][0] < gap_s:
             groups[-1].append((t, rid))
         else:
             groups.append([(t, rid)])

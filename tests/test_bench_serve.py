@@ -147,3 +147,26 @@ def test_multi_turn_workload(fake_server):
 def test_unreachable_server_reports_failures():
     r = asyncio.run(run_benchmark("http://127.0.0.1:9", "m", random_prompts(2, 4, 0, (1, 5)), 4, 2, timeout=2))
     assert r["completed"] == 0 and r["failed"] == 2 and r["errors"]
+
+
+def test_wave_analysis_of_a_core_trace():
+    """benchmarks/wave.py on a synthetic core trace: two waves of 4 requests (out 3); the second wave's successors
+    come back 5 ms after the first wave's last tokens, one 4 ms before the rest, and are prefilled in two
+    steps (the second beside one decode row)."""
+    from linrnn_bench.wave import summary, waves
+
+    ev = [["add", 0.000 + 0.001 * i, f"a{i}"] for i in range(4)]
+    ev += [["step", 0.004, 0.005, 0, [0, 4, 32, 0, 0, 0]], ["core", 0.010, [(f"a{i}", 1) for i in range(4)]],
+           ["core", 0.020, [(f"a{i}", 2) for i in range(4)]], ["core", 0.030, [(f"a{i}", 3) for i in range(4)]]]
+    ev += [["add", 0.035, "b0"], ["step", 0.036, 0.037, 0, [0, 1, 8, 0, 0, 0]]]
+    ev += [["add", 0.039 + 0.0001 * i, f"b{i}"] for i in range(1, 4)]
+    ev += [["step", 0.040, 0.041, 1, [1, 3, 24, 0, 0, 0]], ["core", 0.045, [("b0", 1)]],
+           ["core", 0.050, [(f"b{i}", 1) for i in range(1, 4)]]]
+    ws = waves(ev, 4, 3, gap_s=0.0045)
+    assert [w["requests"] for w in ws] == [4, 4]
+    w = ws[1]
+    assert w["hand_back_ms"] == pytest.approx(5.0) and w["spread_ms"] == pytest.approx(4.3)
+    assert w["wait_ms"] == pytest.approx(1.0) and w["prefill_steps"] == 2
+    assert w["prefill_tokens"] == [8, 24] and w["decode_rows_beside"] == [0, 1]
+    assert w["first_token_ms"] == pytest.approx(15.0) and ws[0]["wave_ms"] == pytest.approx(35.0)
+    assert summary(ws, 4)["prefill_steps"] == 2  # wave 0 (the start) is left out
