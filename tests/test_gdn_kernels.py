@@ -222,6 +222,31 @@ def test_decode_blocked_bf16_layout(poison_empty, kind, bv):
                    config=(bv, 4 if bv >= 64 else 2, "evict_first", "evict_first", None, major))
 
 
+def decode_prefetch_is_bit_identical(shape, B, kind, major, monkeypatch, device):
+    """The L2 prefetch of a later program's tile (DecodeConfig.prefetch) changes no byte: outputs and both
+    partitions equal the same launch without it, and it matches the naive reference with unused slots NaN.
+    num_sms is patched to 1 so the distance (1 wave = 4 programs) lands inside the small grid, also past its end."""
+    monkeypatch.setattr(decode_k, "num_sms", lambda index: 1)
+    Hk, Hv, Dk, Dv = shape["Hk"], shape["Hv"], shape["Dk"], shape["Dv"]
+    idx = (torch.randperm(B + 2)[:B] + 1).to(torch.int32).to(device)
+    q, k, v, a, b, A_log, dt_bias = make_inputs(B, Hk, Hv, Dk, Dv, torch.bfloat16, device)
+    f32, bf, isb, loc = make_pools(Hv, Dk, Dv, B + 3, head_map(Hv, kind), idx.tolist(), device)
+    outs = []
+    for pf in (0, 1):
+        fs, bs = f32.clone(), bf.clone()
+        cfg = decode_k.DecodeConfig(64, 4, "evict_first", "evict_first", None, major, pf)
+        o = decode_k.gdn_decode(q, k, v, a, b, A_log, dt_bias, fs, bs, isb, loc, idx, config=cfg)
+        outs.append((o.view(torch.int16), fs.view(torch.int32), bs.view(torch.int16)))
+    for x, y in zip(*outs):
+        assert torch.equal(x, y)
+    run_decode(shape, B, kind, torch.float32, device, config=(64, 4, "evict_first", "evict_first", None, major, 1))
+
+
+@pytest.mark.parametrize("kind,major", [("bf16", None), ("f32", None), ("0.5", None), ("0.5", False)])
+def test_decode_prefetch_is_bit_identical(poison_empty, monkeypatch, kind, major):
+    decode_prefetch_is_bit_identical(BLOCKED, 3, kind, major, monkeypatch, KERNEL_DEVICE)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="output tiles < 64 are refused on CUDA (prefill_config)")
 @pytest.mark.parametrize("state_bv", [32, 128])
 def test_prefill_blocked_bf16_layout(poison_empty, state_bv):
@@ -274,7 +299,8 @@ from triton.compiler import ASTSource
 from linrnn_kernels.gdn import decode
 fn = decode._gdn_decode_kernel
 cex = dict(HV=32, GROUP=2, DK=128, DV=128, BV=64, LOAD_EVICT="evict_first", LOAD_CACHE="",
-           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False, ALL_BF16=False, BF16_BLOCK=64)
+           STORE_EVICT="evict_first", STORE_CACHE="", PARTITION_MAJOR=False, ALL_BF16=False, BF16_BLOCK=64,
+           PREFETCH=False)
 f32 = ("A_log", "dt_bias", "ssm_f32")
 i32 = ("head_is_bf16", "head_local", "state_indices")
 sig, consts, attrs = {}, {}, {}
@@ -283,7 +309,7 @@ for i, name in enumerate(fn.arg_names):
         sig[name], consts[(i,)] = "constexpr", cex[name]
     elif name == "scale":
         sig[name] = "fp32"
-    elif name.startswith("n_"):
+    elif name.startswith("n_") or name == "pf_dist":
         sig[name] = "i32"
     else:  # pointers and strides, 16-divisible as in the model
         sig[name] = "*fp32" if name in f32 else "*i32" if name in i32 else "i32" if name.startswith("stride") else "*bf16"
@@ -296,6 +322,12 @@ consts[(list(fn.arg_names).index("PARTITION_MAJOR"),)] = True
 ttgir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ttgir"]
 print("MAJOR_CONVERTS", len(re.findall(r"convert_layout .*: tensor<128x64x", ttgir)))
+# with the L2 prefetch of a later tile (both orders compiled at once: one kernel, the partition-major one)
+consts[(list(fn.arg_names).index("PREFETCH"),)] = True
+ttgir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ttgir"]
+print("PREFETCH_CONVERTS", len(re.findall(r"convert_layout .*: tensor<128x64x", ttgir)))
+consts[(list(fn.arg_names).index("PREFETCH"),)] = False
 # all heads bf16: the kernel holds only the bf16 tile code
 consts[(list(fn.arg_names).index("PARTITION_MAJOR"),)] = False
 consts[(list(fn.arg_names).index("ALL_BF16"),)] = True
@@ -321,6 +353,7 @@ def test_decode_f32_tile_keeps_one_register_layout():
     assert "TILE_CONVERTS" in out.stdout, out.stderr[-2000:]
     assert out.stdout.split("TILE_CONVERTS")[1].split()[0] == "0", "the state tile changes register layout"
     assert out.stdout.split("MAJOR_CONVERTS")[1].split()[0] == "0", "partition-major: the tile changes layout"
+    assert out.stdout.split("PREFETCH_CONVERTS")[1].split()[0] == "0", "with the prefetch the tile changes layout"
     assert out.stdout.split("BF16_CONVERTS")[1].split()[0] == "0", "all-bf16: the tile changes layout"
     assert out.stdout.split("F32_LOADS")[1].split()[0] == "0", "the all-bf16 kernel still holds the f32 tile code"
 
@@ -436,6 +469,12 @@ def test_gpu_decode_full_shapes(poison_empty, B, kind, dtype):
 def test_gpu_decode_tile_configs(poison_empty, config):
     """Every DecodeConfig the benchmark sweeps is correct."""
     run_decode(FULL, 8, "0.5", torch.float32, "cuda", config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,major", [("bf16", None), ("f32", None), ("0.5", None), ("0.5", False)])
+def test_gpu_decode_prefetch_is_bit_identical(poison_empty, monkeypatch, kind, major):
+    decode_prefetch_is_bit_identical(FULL, 64, kind, major, monkeypatch, "cuda")
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""GDN decode, bf16 state partition round 5 (issue #15 item 4): kernels/gdn/decode.py ("new") against the kernel
-on main before this round (kernels/gdn/decode_main.py, placed there by tools/gpu_gdn_r5.sh), checked and then
+"""GDN decode, bf16 state partition rounds 5-6 (issue #15 item 4): kernels/gdn/decode.py ("new") against the kernel
+on main before the round (kernels/gdn/decode_main.py, placed there by tools/gpu_gdn_r5.sh / gpu_gdn_r6.sh), checked and then
 timed in one run (VARIANTS: add DecodeConfig overrides to sweep launch shapes).
 
   check   every variant vs the naive reference (fresh inputs, unused slots NaN-poisoned and untouched) at
@@ -24,12 +24,17 @@ import torch
 
 # name: (module, DecodeConfig fields replacing decode_config's, or None for its default). The variants of the
 # round-5 sweep (tensor-core bf16 tiles, 8 warps, [Dk, 128], register caps: all measured slower) are kept in
-# benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on.
+# benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on. Round 6: the L2 prefetch
+# of a later program's tile (DecodeConfig.prefetch: distance in waves of resident programs), every state fraction.
 VARIANTS = {
     "main": ("decode_main", None),
     "new": ("decode", None),
+    "pf0.5": ("decode", {"prefetch": 0.5}),
+    "pf1": ("decode", {"prefetch": 1}),
+    "pf2": ("decode", {"prefetch": 2}),
+    "pf4": ("decode", {"prefetch": 4}),
 }
-HYBRID_OK = ("main", "new")
+HYBRID_OK = tuple(VARIANTS)
 
 
 def call(name, q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx):

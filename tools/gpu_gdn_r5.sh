@@ -11,14 +11,16 @@
 #          against main interleaved in one run, also with the graph's CPU launch off the clock ("queued")
 #   ncu    Nsight Compute (--clock-control none), one eager call each at B = 64: warp stall reasons per issued
 #          instruction, throughputs, occupancy -> ncu.txt
-#   bash tools/gpu_gdn_r5.sh [tests,bench,sweep,ncu]
+#   bash tools/gpu_gdn_r5.sh [tests,bench,sweep,ncu]     (env: MAIN, the old kernel file; ROUND, the results dir under
+#   $OUT; TESTS_TIMEOUT, SWEEP_TIMEOUT, SWEEP_ARGS, NCU_TIMEOUT, NCU_CASES: tools/gpu_gdn_r6.sh sets them for round 6)
 . tools/device_env.sh >/dev/null
 STAGES=${1:-tests,bench,sweep,ncu}
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
-R=${OUT:-/tmp/out}/r5
+R=${OUT:-/tmp/out}/${ROUND:-r5}
 mkdir -p $R
+echo "commit ${LINRNN_COMMIT:-?}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-MAIN=benchmarks/results/kernels/gdn-decode/bf16_round5/variants/decode_main.py.txt
+MAIN=${MAIN:-benchmarks/results/kernels/gdn-decode/bf16_round5/variants/decode_main.py.txt}
 if has tests; then
   timeout ${TESTS_TIMEOUT:-70} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gdn_kernels.py -k "decode" \
     tests/test_hybrid_state.py -n 4 2>&1 | tail -4 | tee $R/tests.log

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 from linrnn_kernels.gdn.common import (
+    INTERPRET,
     check_pools,
     check_qkv,
     gates,
@@ -58,13 +59,15 @@ class DecodeConfig(NamedTuple):
     """Launch shape of the decode kernel. bv: Dv columns per state tile; load / store: cache hint of the
     state load / store, an L2 eviction policy ("evict_first") or a PTX cache operator (".cg", ".cs"),
     "" for none (ptxas takes one of the two kinds per access); maxnreg: register cap per thread;
-    partition_major: program order (None: partition-major exactly when both partitions hold heads)."""
+    partition_major: program order (None: partition-major exactly when both partitions hold heads);
+    prefetch: L2 prefetch distance in waves of resident programs (0: none; [Dk, 64] tiles only, _prefetch_tile)."""
     bv: int
     num_warps: int
     load: str = ""
     store: str = ""
     maxnreg: int | None = None
     partition_major: bool | None = None
+    prefetch: float = 0
 
 
 @triton.jit
@@ -83,9 +86,11 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
                  stride_a_tok, stride_b_tok, scale,
                  HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr,
                  LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
-                 STORE_CACHE: tl.constexpr):
+                 STORE_CACHE: tl.constexpr, pf_base=0, pf_iv=0, pf_on=False, PREFETCH: tl.constexpr = False):
     """One [DK, BV] state tile of head i_h (columns i_v * BV ..) of one partition pool, updated in place;
-    BLOCK: the pool's layout (0: [DK, DV] per head, f32; else [DV / BLOCK, DK, BLOCK], bf16)."""
+    BLOCK: the pool's layout (0: [DK, DV] per head, f32; else [DV / BLOCK, DK, BLOCK], bf16). PREFETCH: once
+    its own state load is issued, the program prefetches tile pf_iv of the head at pf_base of the same pool
+    into L2 if pf_on (_prefetch_tile)."""
     o_k = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
     offs = state_tile_offsets(i_v, BV, DK, DV, BLOCK)
@@ -99,6 +104,9 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
     # vectors, and with them the f32 load, whose store then converted layout (tests/test_gdn_kernels.py)
     ptrs = tl.max_contiguous(pool + base + offs, [1, 4])
     s = tl.load(ptrs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE).to(tl.float32)
+    if PREFETCH:
+        if pf_on:
+            _prefetch_tile(pool + pf_base, pf_iv, DK, DV, BV, BLOCK)
 
     b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
     b_k = tl.load(k + i_b * stride_k_tok + i_hk * stride_k_head + o_k).to(tl.float32)
@@ -123,6 +131,33 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
              cache_modifier=STORE_CACHE)
 
 
+_INTERPRET = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Bring the 128-byte lines at ptrs into L2 (no registers held, nothing waits on it). The interpreter has no
+    inline PTX: it reads the lines instead (the addresses must be in bounds either way)."""
+    if _INTERPRET:
+        tl.load(ptrs)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_tile(head, i_v, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr):
+    """L2 prefetch of the [DK, BV] state tile i_v of the head state at `head` (BV * element size a
+    multiple of 128 B): a program issues it for the program one or more waves after it, so that program's
+    state load hits L2 instead of DRAM. Bytes in flight per SM are then not bounded by the registers the
+    resident programs hold for their tiles (the bf16 partition's limit: bf16_round5/, bf16_round6/)."""
+    if BLOCK != 0:  # bf16 [DV / BLOCK, DK, BLOCK]: a [DK, BLOCK] tile is one contiguous run of 64-element lines
+        offs = state_tile_base(i_v, BV, DK, BLOCK) + tl.arange(0, DK * BV // 64) * 64
+    else:  # f32 [DK, DV]: DK rows of BV // 32 lines
+        offs = tl.arange(0, DK)[:, None] * DV + i_v * BV + tl.arange(0, BV // 32)[None, :] * 32
+    _prefetch_l2(head + offs)
+
+
 @triton.jit
 def _natural_head(head_is_bf16, head_local, j, IS_BF16: tl.constexpr, HV: tl.constexpr):
     """The natural head stored at index j of the bf16 (IS_BF16) or f32 partition: the inverse of the head
@@ -136,14 +171,35 @@ def _natural_head(head_is_bf16, head_local, j, IS_BF16: tl.constexpr, HV: tl.con
 
 
 @triton.jit
+def _future_tile(p, n_programs, n_heads, state_indices, head_local, stride_slot, DK: tl.constexpr, DV: tl.constexpr,
+                 NV: tl.constexpr, NATURAL: tl.constexpr, PREFETCH: tl.constexpr):
+    """(element offset of its head in the pool, Dv tile, exists) of program p of an order of n_programs over
+    rows x n_heads x NV tiles (NATURAL: heads in natural order, found in their partition through head_local;
+    else partition-local). The two index loads go out with the program's own, before its state load."""
+    if PREFETCH:
+        on = p < n_programs
+        p = tl.where(on, p, 0)
+        r = p // NV
+        j = r % n_heads
+        slot = tl.load(state_indices + r // n_heads).to(tl.int64)
+        if NATURAL:
+            j = tl.load(head_local + j)
+        return slot * stride_slot + j.to(tl.int64) * (DK * DV), p % NV, on
+    else:
+        return 0, 0, False
+
+
+@triton.jit
 def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, k, v, a, b, A_log, dt_bias, o,
                        head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
                        stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                        BF16_BLOCK: tl.constexpr, LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr,
-                       STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
-    """Program p of one partition (B x n_heads x Dv tiles, Dv tiles fastest): the tile's address needs only
-    the slot; the natural head (for q/k/v/gates) comes from the head map in parallel."""
+                       STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr, n_programs, pf_dist,
+                       PREFETCH: tl.constexpr):
+    """Program p of n_programs of one partition (B x n_heads x Dv tiles, Dv tiles fastest): the tile's address
+    needs only the slot; the natural head (for q/k/v/gates) comes from the head map in parallel. PREFETCH: L2
+    prefetch of the tile of program p + pf_dist of the same partition."""
     NV: tl.constexpr = DV // BV
     i_v = p % NV
     r = p // NV
@@ -151,10 +207,12 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
     i_b = (r // n_heads).to(tl.int64)
     base = tl.load(state_indices + i_b).to(tl.int64) * stride_slot + j.to(tl.int64) * (DK * DV)
     i_h = _natural_head(head_is_bf16, head_local, j, IS_BF16, HV)
+    pf_base, pf_iv, pf_on = _future_tile(p + pf_dist, n_programs, n_heads, state_indices, head_local, stride_slot,
+                                         DK, DV, NV, False, PREFETCH)
     _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                  stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK if IS_BF16 else 0, LOAD_EVICT,
-                 LOAD_CACHE, STORE_EVICT, STORE_CACHE)
+                 LOAD_CACHE, STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH)
 
 
 @triton.jit
@@ -163,9 +221,9 @@ def _gdn_decode_kernel(
     ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_a_tok, stride_b_tok, stride_f32_slot, stride_bf16_slot,
-    n_f32_heads, n_bf16_heads, n_f32_programs, scale,
+    n_f32_heads, n_bf16_heads, n_f32_programs, n_programs, pf_dist, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    PARTITION_MAJOR: tl.constexpr, ALL_BF16: tl.constexpr, BF16_BLOCK: tl.constexpr,
+    PARTITION_MAJOR: tl.constexpr, ALL_BF16: tl.constexpr, BF16_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
     LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
@@ -177,13 +235,14 @@ def _gdn_decode_kernel(
             _partition_program(pid, n_f32_heads, stride_f32_slot, ssm_f32, False, q, k, v, a, b, A_log, dt_bias, o,
                                head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
                                stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale, HV, GROUP,
-                               DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
+                               DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE,
+                               n_f32_programs, pf_dist, PREFETCH)
         else:
             _partition_program(pid - n_f32_programs, n_bf16_heads, stride_bf16_slot, ssm_bf16, True, q, k, v, a, b,
                                A_log, dt_bias, o, head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head,
                                stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
                                scale, HV, GROUP, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                               STORE_CACHE)
+                               STORE_CACHE, n_programs - n_f32_programs, pf_dist, PREFETCH)
     else:
         i_v = pid % NV
         i_bh = pid // NV
@@ -192,6 +251,10 @@ def _gdn_decode_kernel(
         i_hk = i_h // GROUP  # consecutive value heads share a key head (SPEC §1.5.6)
         # the state tile's address first: two dependent tiny loads, and the tile is the bulk of the bytes
         slot = tl.load(state_indices + i_b)
+        # PREFETCH in natural order only with one partition (the launcher's rule): the future tile is in the same pool
+        pf_base, pf_iv, pf_on = _future_tile(pid + pf_dist, n_programs, HV, state_indices, head_local,
+                                             stride_bf16_slot if ALL_BF16 else stride_f32_slot, DK, DV, NV, True,
+                                             PREFETCH)
         if ALL_BF16:  # only the bf16 tile code is compiled (registers sized for it), no branch on a loaded flag
             is_bf16 = True
             base = slot.to(tl.int64) * stride_bf16_slot + tl.load(head_local + i_h).to(tl.int64) * (DK * DV)
@@ -202,12 +265,18 @@ def _gdn_decode_kernel(
             _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                          stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
-                         STORE_EVICT, STORE_CACHE)
+                         STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH and ALL_BF16)
         else:
             _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                          stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, 0, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                         STORE_CACHE)
+                         STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH and not ALL_BF16)
+
+
+def _resident_programs(cfg: DecodeConfig) -> int:
+    """Programs of this launch shape resident per SM: the unit of the prefetch distance (a wave). The kernel takes
+    up to 128 registers per thread at these shapes (sm_90, 64K registers per SM), maxnreg lowers it."""
+    return max(1, 65536 // (32 * cfg.num_warps * (cfg.maxnreg or 128)))
 
 
 def _hints(kind: str, hint: str) -> dict:
@@ -256,13 +325,19 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
     nf, nb = ssm_f32.shape[1], ssm_bf16.shape[1]
     nv = Dv // cfg.bv
     partition_major = (nf > 0 and nb > 0) if cfg.partition_major is None else bool(cfg.partition_major)
-    _gdn_decode_kernel[(B * Hv * nv,)](
+    n_programs = B * Hv * nv
+    # the prefetch runs pf_dist programs ahead within one partition's order; whole 128-byte lines of a tile row
+    prefetch = cfg.prefetch > 0 and (partition_major or nf == 0 or nb == 0) and cfg.bv * 2 % 128 == 0 \
+        and cfg.bv == bf16_block(Dv)
+    pf_dist = max(1, round(cfg.prefetch * num_sms(q.device.index or 0) * _resident_programs(cfg))) if prefetch else 0
+    _gdn_decode_kernel[(n_programs,)](
         q, k, v, a, b, A_log, dt_bias,
         ssm_f32, ssm_bf16, head_is_bf16, head_local, state_indices, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
-        nf, nb, B * nf * nv, Dk ** -0.5,
+        nf, nb, B * nf * nv, n_programs, pf_dist, Dk ** -0.5,
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major, BF16_BLOCK=bf16_block(Dv),
+        PREFETCH=prefetch,
         ALL_BF16=nf == 0,
         **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
