@@ -1,6 +1,6 @@
 """GDN decode, bf16 state partition rounds 5-6 (issue #15 item 4): kernels/gdn/decode.py ("new") against the kernel
-on main before the round (kernels/gdn/decode_main.py, placed there by tools/gpu_gdn_r5.sh / gpu_gdn_r6.sh), checked and then
-timed in one run (VARIANTS: add DecodeConfig overrides to sweep launch shapes).
+on main before the round (kernels/gdn/decode_main.py, placed there by tools/gpu_gdn_r5.sh / gpu_gdn_r6.sh), checked
+and then timed in one run (VARIANTS: add DecodeConfig overrides to sweep launch shapes).
 
   check   every variant vs the naive reference (fresh inputs, unused slots NaN-poisoned and untouched) at
           0 / 50 / 100 % f32 heads, and vs the main kernel bit for bit where it must be (all-f32 always; bf16
@@ -25,14 +25,16 @@ import torch
 # name: (module, DecodeConfig fields replacing decode_config's, or None for its default). The variants of the
 # round-5 sweep (tensor-core bf16 tiles, 8 warps, [Dk, 128], register caps: all measured slower) are kept in
 # benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on. Round 6: the L2 prefetch
-# of a later program's tile (DecodeConfig.prefetch: distance in waves of resident programs), every state fraction.
+# of a later program's tile (DecodeConfig.prefetch: distance in waves of resident programs; pfb: bulk prefetch), every
+# state fraction.
 VARIANTS = {
     "main": ("decode_main", None),
     "new": ("decode", None),
     "pf0.5": ("decode", {"prefetch": 0.5}),
-    "pf1": ("decode", {"prefetch": 1}),
-    "pf2": ("decode", {"prefetch": 2}),
-    "pf4": ("decode", {"prefetch": 4}),
+    "pfb0.25": ("decode", {"prefetch": 0.25, "prefetch_bulk": True}),
+    "pfb0.5": ("decode", {"prefetch": 0.5, "prefetch_bulk": True}),
+    "pfb1": ("decode", {"prefetch": 1, "prefetch_bulk": True}),
+    "pfb2": ("decode", {"prefetch": 2, "prefetch_bulk": True}),
 }
 HYBRID_OK = tuple(VARIANTS)
 

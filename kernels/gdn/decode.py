@@ -60,7 +60,8 @@ class DecodeConfig(NamedTuple):
     state load / store, an L2 eviction policy ("evict_first") or a PTX cache operator (".cg", ".cs"),
     "" for none (ptxas takes one of the two kinds per access); maxnreg: register cap per thread;
     partition_major: program order (None: partition-major exactly when both partitions hold heads);
-    prefetch: L2 prefetch distance in waves of resident programs (0: none; [Dk, 64] tiles only, _prefetch_tile)."""
+    prefetch: L2 prefetch distance in waves of resident programs (0: none; [Dk, 64] tiles only, _prefetch_tile);
+    prefetch_bulk: prefetch through the copy engine (cp.async.bulk.prefetch) instead of one line per address."""
     bv: int
     num_warps: int
     load: str = ""
@@ -68,6 +69,7 @@ class DecodeConfig(NamedTuple):
     maxnreg: int | None = None
     partition_major: bool | None = None
     prefetch: float = 0
+    prefetch_bulk: bool = False
 
 
 @triton.jit
@@ -86,11 +88,12 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
                  stride_a_tok, stride_b_tok, scale,
                  HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr,
                  LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
-                 STORE_CACHE: tl.constexpr, pf_base=0, pf_iv=0, pf_on=False, PREFETCH: tl.constexpr = False):
+                 STORE_CACHE: tl.constexpr, pf_base=0, pf_iv=0, pf_on=False, PREFETCH: tl.constexpr = 0,
+                 WARPS: tl.constexpr = 4):
     """One [DK, BV] state tile of head i_h (columns i_v * BV ..) of one partition pool, updated in place;
-    BLOCK: the pool's layout (0: [DK, DV] per head, f32; else [DV / BLOCK, DK, BLOCK], bf16). PREFETCH: once
-    its own state load is issued, the program prefetches tile pf_iv of the head at pf_base of the same pool
-    into L2 if pf_on (_prefetch_tile)."""
+    BLOCK: the pool's layout (0: [DK, DV] per head, f32; else [DV / BLOCK, DK, BLOCK], bf16). PREFETCH (0 none,
+    1 by lines, 2 bulk): once its own state load is issued, the program prefetches tile pf_iv of the head at
+    pf_base of the same pool into L2 if pf_on (_prefetch_tile)."""
     o_k = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
     offs = state_tile_offsets(i_v, BV, DK, DV, BLOCK)
@@ -106,7 +109,7 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
     s = tl.load(ptrs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE).to(tl.float32)
     if PREFETCH:
         if pf_on:
-            _prefetch_tile(pool + pf_base, pf_iv, DK, DV, BV, BLOCK)
+            _prefetch_tile(pool + pf_base, pf_iv, DK, DV, BV, BLOCK, PREFETCH == 2, WARPS)
 
     b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
     b_k = tl.load(k + i_b * stride_k_tok + i_hk * stride_k_head + o_k).to(tl.float32)
@@ -135,9 +138,9 @@ _INTERPRET = tl.constexpr(INTERPRET)
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Bring the 128-byte lines at ptrs into L2 (no registers held, nothing waits on it). The interpreter has no
-    inline PTX: it reads the lines instead (the addresses must be in bounds either way)."""
+def _prefetch_lines(ptrs):
+    """Bring the 128-byte line of each address into L2 (no registers held, nothing waits on it). The interpreter
+    has no inline PTX: it reads the addresses instead (they must be valid either way)."""
     if _INTERPRET:
         tl.load(ptrs)
     else:
@@ -146,16 +149,44 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _prefetch_tile(head, i_v, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr):
+def _prefetch_run(ptr, NBYTES: tl.constexpr, WARPS: tl.constexpr):
+    """Bring the NBYTES contiguous bytes at ptr into L2 through the copy engine (cp.async.bulk.prefetch, sm_90):
+    one bulk prefetch per warp of NBYTES / WARPS (its address is warp-uniform, so ptxas issues it once per warp)."""
+    CHUNK: tl.constexpr = NBYTES // WARPS
+    if _INTERPRET:
+        tl.load(ptr)  # the run's first and last elements
+        tl.load(ptr + (NBYTES * 8 // ptr.dtype.element_ty.primitive_bitwidth - 1))
+    else:
+        tl.inline_asm_elementwise(f"""{{
+            .reg .u32 w;
+            .reg .u64 a;
+            mov.u32 w, %tid.x;
+            shr.u32 w, w, 5;
+            mul.wide.u32 a, w, {CHUNK};
+            add.u64 a, a, $1;
+            cp.async.bulk.prefetch.L2.global [a], {CHUNK};
+            mov.u32 $0, 0;
+            }}""", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_tile(head, i_v, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr,
+                   BULK: tl.constexpr, WARPS: tl.constexpr):
     """L2 prefetch of the [DK, BV] state tile i_v of the head state at `head` (BV * element size a
     multiple of 128 B): a program issues it for the program one or more waves after it, so that program's
     state load hits L2 instead of DRAM. Bytes in flight per SM are then not bounded by the registers the
-    resident programs hold for their tiles (the bf16 partition's limit: bf16_round5/, bf16_round6/)."""
+    resident programs hold for their tiles (the bf16 partition's limit: bf16_round5/, bf16_round6/).
+    BULK: through the copy engine; f32 heads [DK, DV] are one run, prefetched whole by their tile 0."""
     if BLOCK != 0:  # bf16 [DV / BLOCK, DK, BLOCK]: a [DK, BLOCK] tile is one contiguous run of 64-element lines
-        offs = state_tile_base(i_v, BV, DK, BLOCK) + tl.arange(0, DK * BV // 64) * 64
-    else:  # f32 [DK, DV]: DK rows of BV // 32 lines
-        offs = tl.arange(0, DK)[:, None] * DV + i_v * BV + tl.arange(0, BV // 32)[None, :] * 32
-    _prefetch_l2(head + offs)
+        if BULK:
+            _prefetch_run(head + state_tile_base(i_v, BV, DK, BLOCK), DK * BV * 2, WARPS)
+        else:
+            _prefetch_lines(head + state_tile_base(i_v, BV, DK, BLOCK) + tl.arange(0, DK * BV // 64) * 64)
+    elif BULK:
+        if i_v == 0:
+            _prefetch_run(head, DK * DV * 4, WARPS)
+    else:  # f32 rows as BV // 32 lines each
+        _prefetch_lines(head + tl.arange(0, DK)[:, None] * DV + i_v * BV + tl.arange(0, BV // 32)[None, :] * 32)
 
 
 @triton.jit
@@ -196,7 +227,7 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                        BF16_BLOCK: tl.constexpr, LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr,
                        STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr, n_programs, pf_dist,
-                       PREFETCH: tl.constexpr):
+                       PREFETCH: tl.constexpr, WARPS: tl.constexpr):
     """Program p of n_programs of one partition (B x n_heads x Dv tiles, Dv tiles fastest): the tile's address
     needs only the slot; the natural head (for q/k/v/gates) comes from the head map in parallel. PREFETCH: L2
     prefetch of the tile of program p + pf_dist of the same partition."""
@@ -212,7 +243,7 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
     _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                  stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK if IS_BF16 else 0, LOAD_EVICT,
-                 LOAD_CACHE, STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH)
+                 LOAD_CACHE, STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH, WARPS)
 
 
 @triton.jit
@@ -224,6 +255,7 @@ def _gdn_decode_kernel(
     n_f32_heads, n_bf16_heads, n_f32_programs, n_programs, pf_dist, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     PARTITION_MAJOR: tl.constexpr, ALL_BF16: tl.constexpr, BF16_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    WARPS: tl.constexpr,
     LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
@@ -236,13 +268,13 @@ def _gdn_decode_kernel(
                                head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
                                stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale, HV, GROUP,
                                DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE,
-                               n_f32_programs, pf_dist, PREFETCH)
+                               n_f32_programs, pf_dist, PREFETCH, WARPS)
         else:
             _partition_program(pid - n_f32_programs, n_bf16_heads, stride_bf16_slot, ssm_bf16, True, q, k, v, a, b,
                                A_log, dt_bias, o, head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head,
                                stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
                                scale, HV, GROUP, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                               STORE_CACHE, n_programs - n_f32_programs, pf_dist, PREFETCH)
+                               STORE_CACHE, n_programs - n_f32_programs, pf_dist, PREFETCH, WARPS)
     else:
         i_v = pid % NV
         i_bh = pid // NV
@@ -265,12 +297,12 @@ def _gdn_decode_kernel(
             _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                          stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
-                         STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH and ALL_BF16)
+                         STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH if ALL_BF16 else 0, WARPS)
         else:
             _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                          stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, 0, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                         STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH and not ALL_BF16)
+                         STORE_CACHE, pf_base, pf_iv, pf_on, 0 if ALL_BF16 else PREFETCH, WARPS)
 
 
 def _resident_programs(cfg: DecodeConfig) -> int:
@@ -337,7 +369,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
         nf, nb, B * nf * nv, n_programs, pf_dist, Dk ** -0.5,
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major, BF16_BLOCK=bf16_block(Dv),
-        PREFETCH=prefetch,
+        PREFETCH=(2 if cfg.prefetch_bulk else 1) if prefetch else 0, WARPS=cfg.num_warps,
         ALL_BF16=nf == 0,
         **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
