@@ -223,7 +223,7 @@ def test_decode_blocked_bf16_layout(poison_empty, kind, bv):
 
 
 def decode_prefetch_is_bit_identical(shape, B, kind, major, monkeypatch, device):
-    """The L2 prefetch of a later program's tile (DecodeConfig.prefetch, by lines or bulk) changes no byte: outputs
+    """The L2 prefetch of a later program's tile (DecodeConfig.prefetch) changes no byte: outputs
     and both partitions equal the same launch without it, and it matches the naive reference with unused slots NaN.
     num_sms is patched to 1 so the distance (1 wave = 4 programs) lands inside the small grid, also past its end."""
     monkeypatch.setattr(decode_k, "num_sms", lambda index: 1)
@@ -232,17 +232,14 @@ def decode_prefetch_is_bit_identical(shape, B, kind, major, monkeypatch, device)
     q, k, v, a, b, A_log, dt_bias = make_inputs(B, Hk, Hv, Dk, Dv, torch.bfloat16, device)
     f32, bf, isb, loc = make_pools(Hv, Dk, Dv, B + 3, head_map(Hv, kind), idx.tolist(), device)
     outs = []
-    for pf, bulk in ((0, False), (1, False), (1, True)):
+    for pf in (0, 1):
         fs, bs = f32.clone(), bf.clone()
-        cfg = decode_k.DecodeConfig(64, 4, "evict_first", "evict_first", None, major, pf, bulk)
+        cfg = decode_k.DecodeConfig(64, 4, "evict_first", "evict_first", None, major, pf)
         o = decode_k.gdn_decode(q, k, v, a, b, A_log, dt_bias, fs, bs, isb, loc, idx, config=cfg)
         outs.append((o.view(torch.int16), fs.view(torch.int32), bs.view(torch.int16)))
-    for got in outs[1:]:
-        for x, y in zip(got, outs[0]):
-            assert torch.equal(x, y)
-    for bulk in (False, True):
-        run_decode(shape, B, kind, torch.float32, device,
-                   config=(64, 4, "evict_first", "evict_first", None, major, 1, bulk))
+    for x, y in zip(*outs):
+        assert torch.equal(x, y)
+    run_decode(shape, B, kind, torch.float32, device, config=(64, 4, "evict_first", "evict_first", None, major, 1))
 
 
 @pytest.mark.parametrize("kind,major", [("bf16", None), ("f32", None), ("0.5", None), ("0.5", False)])

@@ -25,16 +25,13 @@ import torch
 # name: (module, DecodeConfig fields replacing decode_config's, or None for its default). The variants of the
 # round-5 sweep (tensor-core bf16 tiles, 8 warps, [Dk, 128], register caps: all measured slower) are kept in
 # benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on. Round 6: the L2 prefetch
-# of a later program's tile (DecodeConfig.prefetch: distance in waves of resident programs; pfb: bulk prefetch), every
-# state fraction.
+# of a later program's tile (DecodeConfig.prefetch: distance in waves of resident programs), every state fraction; its
+# other distances and the bulk prefetch, all slower, in bf16_round6/variants/.
 VARIANTS = {
     "main": ("decode_main", None),
     "new": ("decode", None),
     "pf0.5": ("decode", {"prefetch": 0.5}),
-    "pfb0.25": ("decode", {"prefetch": 0.25, "prefetch_bulk": True}),
-    "pfb0.5": ("decode", {"prefetch": 0.5, "prefetch_bulk": True}),
-    "pfb1": ("decode", {"prefetch": 1, "prefetch_bulk": True}),
-    "pfb2": ("decode", {"prefetch": 2, "prefetch_bulk": True}),
+    "pf1": ("decode", {"prefetch": 1}),
 }
 HYBRID_OK = tuple(VARIANTS)
 

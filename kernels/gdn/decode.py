@@ -33,6 +33,8 @@ program, one launch per partition, PDL): none faster than this kernel. With all 
 the bf16 tile code (ALL_BF16: 920 instead of 1688 sm_90 instructions with triton 3.9, no loaded dtype flag):
 1.4 % faster all-bf16 at B = 32-256, same bits; kernels with f32 heads compile as before (bf16_round5/, which also
 records Nsight Compute's view of the bf16 programs and the tensor-core bf16 tile, measured no faster and removed).
+bf16_round6/: an L2 prefetch of a later program's tile (holds no registers) slows every bf16 and hybrid launch; it
+speeds all-f32 launches at B >= 128 by 4-6 % and stays an opt-in DecodeConfig.prefetch (_prefetch_tile).
 """
 from __future__ import annotations
 
@@ -60,8 +62,7 @@ class DecodeConfig(NamedTuple):
     state load / store, an L2 eviction policy ("evict_first") or a PTX cache operator (".cg", ".cs"),
     "" for none (ptxas takes one of the two kinds per access); maxnreg: register cap per thread;
     partition_major: program order (None: partition-major exactly when both partitions hold heads);
-    prefetch: L2 prefetch distance in waves of resident programs (0: none; [Dk, 64] tiles only, _prefetch_tile);
-    prefetch_bulk: prefetch through the copy engine (cp.async.bulk.prefetch) instead of one line per address."""
+    prefetch: L2 prefetch distance in waves of resident programs (0: none; [Dk, 64] tiles only, _prefetch_tile)."""
     bv: int
     num_warps: int
     load: str = ""
@@ -69,7 +70,6 @@ class DecodeConfig(NamedTuple):
     maxnreg: int | None = None
     partition_major: bool | None = None
     prefetch: float = 0
-    prefetch_bulk: bool = False
 
 
 @triton.jit
@@ -88,12 +88,11 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
                  stride_a_tok, stride_b_tok, scale,
                  HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr,
                  LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
-                 STORE_CACHE: tl.constexpr, pf_base=0, pf_iv=0, pf_on=False, PREFETCH: tl.constexpr = 0,
-                 WARPS: tl.constexpr = 4):
+                 STORE_CACHE: tl.constexpr, pf_base=0, pf_iv=0, pf_on=False, PREFETCH: tl.constexpr = False):
     """One [DK, BV] state tile of head i_h (columns i_v * BV ..) of one partition pool, updated in place;
-    BLOCK: the pool's layout (0: [DK, DV] per head, f32; else [DV / BLOCK, DK, BLOCK], bf16). PREFETCH (0 none,
-    1 by lines, 2 bulk): once its own state load is issued, the program prefetches tile pf_iv of the head at
-    pf_base of the same pool into L2 if pf_on (_prefetch_tile)."""
+    BLOCK: the pool's layout (0: [DK, DV] per head, f32; else [DV / BLOCK, DK, BLOCK], bf16). PREFETCH: once
+    its own state load is issued, the program prefetches tile pf_iv of the head at pf_base of the same pool
+    into L2 if pf_on (_prefetch_tile)."""
     o_k = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
     offs = state_tile_offsets(i_v, BV, DK, DV, BLOCK)
@@ -109,7 +108,7 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
     s = tl.load(ptrs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE).to(tl.float32)
     if PREFETCH:
         if pf_on:
-            _prefetch_tile(pool + pf_base, pf_iv, DK, DV, BV, BLOCK, PREFETCH == 2, WARPS)
+            _prefetch_tile(pool + pf_base, pf_iv, DK, DV, BV, BLOCK)
 
     b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
     b_k = tl.load(k + i_b * stride_k_tok + i_hk * stride_k_head + o_k).to(tl.float32)
@@ -149,43 +148,15 @@ def _prefetch_lines(ptrs):
 
 
 @triton.jit
-def _prefetch_run(ptr, NBYTES: tl.constexpr, WARPS: tl.constexpr):
-    """Bring the NBYTES contiguous bytes at ptr into L2 through the copy engine (cp.async.bulk.prefetch, sm_90):
-    one bulk prefetch per warp of NBYTES / WARPS (its address is warp-uniform, so ptxas issues it once per warp)."""
-    CHUNK: tl.constexpr = NBYTES // WARPS
-    if _INTERPRET:
-        tl.load(ptr)  # the run's first and last elements
-        tl.load(ptr + (NBYTES * 8 // ptr.dtype.element_ty.primitive_bitwidth - 1))
-    else:
-        tl.inline_asm_elementwise(f"""{{
-            .reg .u32 w;
-            .reg .u64 a;
-            mov.u32 w, %tid.x;
-            shr.u32 w, w, 5;
-            mul.wide.u32 a, w, {CHUNK};
-            add.u64 a, a, $1;
-            cp.async.bulk.prefetch.L2.global [a], {CHUNK};
-            mov.u32 $0, 0;
-            }}""", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_tile(head, i_v, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr,
-                   BULK: tl.constexpr, WARPS: tl.constexpr):
-    """L2 prefetch of the [DK, BV] state tile i_v of the head state at `head` (BV * element size a
-    multiple of 128 B): a program issues it for the program one or more waves after it, so that program's
-    state load hits L2 instead of DRAM. Bytes in flight per SM are then not bounded by the registers the
-    resident programs hold for their tiles (the bf16 partition's limit: bf16_round5/, bf16_round6/).
-    BULK: through the copy engine; f32 heads [DK, DV] are one run, prefetched whole by their tile 0."""
+def _prefetch_tile(head, i_v, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr):
+    """L2 prefetch of the [DK, BV] state tile i_v of the head state at `head` (BV * element size a multiple of
+    128 B), issued by a program for the program a fraction of a wave after it so that program's state load hits
+    L2. Measured on an H200 (bf16_round6/): all-f32 at B = 128 / 256 4-6 % faster at half a wave (136.8 vs 142.5,
+    264.1 vs 280.6 us), slower at B <= 64; every bf16 and hybrid launch 2-10 % slower at any distance, also with
+    bulk prefetches (cp.async.bulk.prefetch). Off by default (DecodeConfig.prefetch)."""
     if BLOCK != 0:  # bf16 [DV / BLOCK, DK, BLOCK]: a [DK, BLOCK] tile is one contiguous run of 64-element lines
-        if BULK:
-            _prefetch_run(head + state_tile_base(i_v, BV, DK, BLOCK), DK * BV * 2, WARPS)
-        else:
-            _prefetch_lines(head + state_tile_base(i_v, BV, DK, BLOCK) + tl.arange(0, DK * BV // 64) * 64)
-    elif BULK:
-        if i_v == 0:
-            _prefetch_run(head, DK * DV * 4, WARPS)
-    else:  # f32 rows as BV // 32 lines each
+        _prefetch_lines(head + state_tile_base(i_v, BV, DK, BLOCK) + tl.arange(0, DK * BV // 64) * 64)
+    else:  # f32 [DK, DV]: DK rows of BV // 32 lines
         _prefetch_lines(head + tl.arange(0, DK)[:, None] * DV + i_v * BV + tl.arange(0, BV // 32)[None, :] * 32)
 
 
@@ -227,7 +198,7 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                        BF16_BLOCK: tl.constexpr, LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr,
                        STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr, n_programs, pf_dist,
-                       PREFETCH: tl.constexpr, WARPS: tl.constexpr):
+                       PREFETCH: tl.constexpr):
     """Program p of n_programs of one partition (B x n_heads x Dv tiles, Dv tiles fastest): the tile's address
     needs only the slot; the natural head (for q/k/v/gates) comes from the head map in parallel. PREFETCH: L2
     prefetch of the tile of program p + pf_dist of the same partition."""
@@ -243,7 +214,7 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
     _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                  stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK if IS_BF16 else 0, LOAD_EVICT,
-                 LOAD_CACHE, STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH, WARPS)
+                 LOAD_CACHE, STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH)
 
 
 @triton.jit
@@ -255,7 +226,6 @@ def _gdn_decode_kernel(
     n_f32_heads, n_bf16_heads, n_f32_programs, n_programs, pf_dist, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     PARTITION_MAJOR: tl.constexpr, ALL_BF16: tl.constexpr, BF16_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-    WARPS: tl.constexpr,
     LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
@@ -268,13 +238,13 @@ def _gdn_decode_kernel(
                                head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head, stride_k_tok,
                                stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok, scale, HV, GROUP,
                                DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE,
-                               n_f32_programs, pf_dist, PREFETCH, WARPS)
+                               n_f32_programs, pf_dist, PREFETCH)
         else:
             _partition_program(pid - n_f32_programs, n_bf16_heads, stride_bf16_slot, ssm_bf16, True, q, k, v, a, b,
                                A_log, dt_bias, o, head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head,
                                stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
                                scale, HV, GROUP, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                               STORE_CACHE, n_programs - n_f32_programs, pf_dist, PREFETCH, WARPS)
+                               STORE_CACHE, n_programs - n_f32_programs, pf_dist, PREFETCH)
     else:
         i_v = pid % NV
         i_bh = pid // NV
@@ -297,12 +267,12 @@ def _gdn_decode_kernel(
             _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                          stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
-                         STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH if ALL_BF16 else 0, WARPS)
+                         STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH and ALL_BF16)
         else:
             _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                          stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, 0, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                         STORE_CACHE, pf_base, pf_iv, pf_on, 0 if ALL_BF16 else PREFETCH, WARPS)
+                         STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH and not ALL_BF16)
 
 
 def _resident_programs(cfg: DecodeConfig) -> int:
@@ -369,7 +339,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
         nf, nb, B * nf * nv, n_programs, pf_dist, Dk ** -0.5,
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major, BF16_BLOCK=bf16_block(Dv),
-        PREFETCH=(2 if cfg.prefetch_bulk else 1) if prefetch else 0, WARPS=cfg.num_warps,
+        PREFETCH=prefetch,
         ALL_BF16=nf == 0,
         **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
