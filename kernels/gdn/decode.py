@@ -33,7 +33,7 @@ program, one launch per partition, PDL): none faster than this kernel. With all 
 the bf16 tile code (ALL_BF16: 920 instead of 1688 sm_90 instructions with triton 3.9, no loaded dtype flag):
 1.4 % faster all-bf16 at B = 32-256, same bits; kernels with f32 heads compile as before (bf16_round5/, which also
 records Nsight Compute's view of the bf16 programs and the tensor-core bf16 tile, measured no faster and removed).
-bf16_round6/: an L2 prefetch of a later program's tile (holds no registers) slows every bf16 and hybrid launch; it
+bf16_round6/: an L2 prefetch of a later program's tile (holds no registers) slows bf16 and hybrid launches; it
 speeds all-f32 launches at B >= 128 by 4-6 % and stays an opt-in DecodeConfig.prefetch (_prefetch_tile).
 """
 from __future__ import annotations
@@ -152,8 +152,8 @@ def _prefetch_tile(head, i_v, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constex
     """L2 prefetch of the [DK, BV] state tile i_v of the head state at `head` (BV * element size a multiple of
     128 B), issued by a program for the program a fraction of a wave after it so that program's state load hits
     L2. Measured on an H200 (bf16_round6/): all-f32 at B = 128 / 256 4-6 % faster at half a wave (136.8 vs 142.5,
-    264.1 vs 280.6 us), slower at B <= 64; every bf16 and hybrid launch 2-10 % slower at any distance, also with
-    bulk prefetches (cp.async.bulk.prefetch). Off by default (DecodeConfig.prefetch)."""
+    264.1 vs 280.6 us), slower at B <= 64; bf16 and hybrid launches at B >= 64 2-10 % slower at any distance, also
+    with bulk prefetches (cp.async.bulk.prefetch). Off by default (DecodeConfig.prefetch)."""
     if BLOCK != 0:  # bf16 [DV / BLOCK, DK, BLOCK]: a [DK, BLOCK] tile is one contiguous run of 64-element lines
         _prefetch_lines(head + state_tile_base(i_v, BV, DK, BLOCK) + tl.arange(0, DK * BV // 64) * 64)
     else:  # f32 [DK, DV]: DK rows of BV // 32 lines
