@@ -172,3 +172,19 @@ def test_model_that_cannot_fit_is_refused_before_building(monkeypatch):
     tiny = loading.weight_bytes(__import__("linrnn_serve.presets", fromlist=["x"]).resolve_model("tiny").cfg,
                                 __import__("torch").float32)
     assert 0 < tiny < 4 << 30
+
+
+def test_server_trace_events_leave_the_gc():
+    """serve_probe's trace (100k+ events a GPU run) must not lengthen the traced server's full collections."""
+    import gc
+
+    from linrnn_bench.serve_probe import ServerTrace
+
+    trace = ServerTrace()
+    trace.add("recv", 1.5, [("cmpl-a", 3), ("cmpl-b", 4)])
+    trace.add("add_sent", 2.5, "cmpl-a")
+    trace.add("sse", 3.5, [("cmpl-a", 3)], 1e-5)
+    for _ in range(2):  # a collection untracks the inner tuples, the next one the event holding them
+        gc.collect()
+    assert [gc.is_tracked(e) for e in trace.events] == [False] * 3
+    assert trace.events[0] == ("recv", 1.5, (("cmpl-a", 3), ("cmpl-b", 4)))
