@@ -197,3 +197,24 @@ def test_snapshot_copy_is_bit_exact_and_layout_checked():
     pc.check_layout(state.layout_key)
     with pytest.raises(RuntimeError, match="ssm_bf16_tau"):
         pc.check_layout(other.layout_key)
+
+
+def test_common_prefix_length_matches_the_per_token_rule():
+    """_common compares slices chunk by chunk: the same answer as a per-token loop at every mismatch
+    position (chunk boundaries included), with limits inside the edge and empty ranges."""
+    from linrnn_serve.cache.prefix_cache import COMMON_CHUNK, _common
+
+    def naive(edge, tokens, start, limit):
+        n = min(len(edge), limit - start)
+        return next((k for k in range(n) if edge[k] != tokens[start + k]), n)
+
+    rng = random.Random(11)
+    for _ in range(400):
+        edge = tuple(rng.randrange(50) for _ in range(rng.choice([1, 5, COMMON_CHUNK, COMMON_CHUNK + 1, 300])))
+        start = rng.randrange(0, 40)
+        tokens = [rng.randrange(50) for _ in range(start)] + list(edge) + [rng.randrange(50) for _ in range(20)]
+        if rng.random() < 0.8:  # one mismatch, often right at a chunk boundary
+            at = rng.choice([rng.randrange(len(edge)), min(len(edge) - 1, COMMON_CHUNK * rng.randrange(1, 5))])
+            tokens[start + at] = 99
+        limit = rng.choice([len(tokens), start + rng.randrange(0, len(edge) + 1)])
+        assert _common(edge, tokens, start, limit) == naive(edge, tokens, start, limit)

@@ -41,10 +41,12 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, limits: Requ
     if not ids:
         raise RequestError("The prompt is empty (it has no tokens).", "prompt")
     V = limits.vocab_size
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
-            raise RequestError(f"Token id {t!r} in the prompt is out of range (the vocabulary has {V} tokens).",
-                               "prompt")
+    # C-speed checks first (types, then the range): a per-token Python loop cost the core ~0.5 ms per 3k-token
+    # request on the H200 host; the loop only names the first bad id
+    if not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= V:
+        t = next(t for t in ids if type(t) is not int or not 0 <= t < V)
+        raise RequestError(f"Token id {t!r} in the prompt is out of range (the vocabulary has {V} tokens).",
+                           "prompt")
     bias = params.logit_bias
     if bias and any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V for t in bias):
         raise RequestError(f"logit_bias token ids must be in [0, {V}), got {sorted(map(repr, bias))[:5]}",
