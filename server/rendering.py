@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
 from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from linrnn_server.errors import APIError, bad_request
 from linrnn_server.protocol import ChatMessage
@@ -18,6 +21,37 @@ def sse_frame(obj: BaseModel | dict[str, Any]) -> bytes:
     """One `data: <json>` event. Nulls are kept: OpenAI chunks carry e.g. `"finish_reason": null`."""
     data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
     return b"data: " + data.encode("utf-8") + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """A `text/event-stream` response whose frames are sent by the task that ran the route. Starlette's
+    StreamingResponse (under ASGI spec < 2.4, and uvicorn reports 2.3) sends them from a new task while
+    the route's task waits for a disconnect: the first frame (the first token) then waits for one more
+    turn of an event loop busy with every other stream. Here the disconnect listener is the extra task;
+    a disconnect still cancels the stream (its generator's cleanup aborts the request)."""
+
+    def __init__(self, content, headers: dict[str, str] | None = None):
+        super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
+        if scope["type"] != "http" or spec >= (2, 4):  # no disconnect listener needed: Starlette's own path
+            return await super().__call__(scope, receive, send)
+        try:
+            async with anyio.create_task_group() as tg:
+                async def until_disconnect() -> None:
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(until_disconnect)
+                await self.stream_response(send)
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # anyio groups the route task's own error too: raise it as itself
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        if self.background is not None:
+            await self.background()
 
 
 def sse_error(err: APIError) -> bytes:

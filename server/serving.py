@@ -246,11 +246,11 @@ async def until_disconnect(request: Request, coro):
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        watcher.cancel()  # not awaited when `coro` is done: that would cost the first token a loop turn
         if not task.done():
             task.cancel()
-        watcher.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(task, watcher, return_exceptions=True)
+            with anyio.CancelScope(shield=True):  # its cleanup (the request's abort) runs before we go on
+                await asyncio.gather(task, watcher, return_exceptions=True)
     if task.cancelled():
         raise ClientDisconnected()
     return task.result()

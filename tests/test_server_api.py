@@ -524,3 +524,47 @@ def test_logprob_text_offsets_match_incremental_utf8_decoding():
         ref.append(off)
         off += len(dec.decode(p))
     assert lp.text_offset == ref and any(not p.isascii() for p in pieces)
+
+
+def test_event_stream_sends_from_the_route_task_and_stops_on_disconnect():
+    """EventStreamResponse: frames go out from the task that awaits the response (no extra loop turn
+    before the first token), a disconnect cancels the body (its cleanup runs: the request's abort), and
+    a body's error comes out as itself, not wrapped in an exception group."""
+    import asyncio
+
+    from linrnn_server.rendering import EventStreamResponse
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+
+    async def run(fail: bool):
+        route_task, body_tasks, sent, cleaned = asyncio.current_task(), [], [], []
+        gone = asyncio.Event()
+
+        async def body():
+            try:
+                body_tasks.append(asyncio.current_task())
+                yield b"data: 1\n\n"
+                if fail:
+                    raise ValueError("engine failed")
+                await asyncio.sleep(30)  # the client leaves meanwhile
+                yield b"data: 2\n\n"
+            finally:
+                cleaned.append(True)
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            sent.append(msg)
+            if msg.get("body") == b"data: 1\n\n":
+                gone.set()
+
+        async with asyncio.timeout(5):  # (wait_for would run it in another task)
+            await EventStreamResponse(body())(scope, receive, send)
+        assert body_tasks == [route_task] and cleaned == [True]
+        return [m.get("body") for m in sent if m["type"] == "http.response.body"]
+
+    assert asyncio.run(run(False)) == [b"data: 1\n\n"]
+    with pytest.raises(ValueError, match="engine failed"):
+        asyncio.run(run(True))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from linrnn_serve.engine.tokenizer import resolve_chat_template
 from linrnn_serve.parsers import ChatOutputParser, new_call_id
@@ -36,7 +36,7 @@ from linrnn_server.errors import APIError, bad_request, from_engine_error, inter
 from linrnn_server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs, DeltaMessage,
                                     TokenLogprob, TopLogprob, UsageInfo)
-from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, render_chat_prompt, sse_error, sse_frame
+from linrnn_server.rendering import SSE_DONE, EventStreamResponse, render_chat_prompt, sse_error, sse_frame
 from linrnn_server.tool_choice import ToolPlan, forced_calls, plan_tools
 from linrnn_server.serving import (Generation, apply_default_max_tokens, check_model, clamp_logprob,
                                    new_id, parse_body, sampling_params, state_of, until_disconnect, usage_info)
@@ -150,8 +150,7 @@ async def create_chat_completion(request: Request):
     await until_disconnect(request, gen.start())
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(gen, req, model, created, eng, run), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return EventStreamResponse(_stream(gen, req, model, created, eng, run))
     (ro,) = await until_disconnect(request, gen.final_outputs())
     top_n = req.top_logprobs or 0
     choices = []

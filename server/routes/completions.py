@@ -14,14 +14,14 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
 from linrnn_server.engine_client import EngineClient
 from linrnn_server.errors import APIError, bad_request, from_engine_error, internal
 from linrnn_server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                     UsageInfo)
-from linrnn_server.rendering import SSE_DONE, SSE_HEADERS, sse_error, sse_frame
+from linrnn_server.rendering import SSE_DONE, EventStreamResponse, sse_error, sse_frame
 from linrnn_server.serving import (Generation, apply_default_max_tokens, check_model, clamp_logprob,
                                    new_id, parse_body, sampling_params, state_of, until_disconnect, usage_info)
 
@@ -115,8 +115,7 @@ async def create_completion(request: Request):
     await until_disconnect(request, gen.start())
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(gen, req, model, created, texts, eng), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return EventStreamResponse(_stream(gen, req, model, created, texts, eng))
     finals = await until_disconnect(request, gen.final_outputs())
     choices = []
     for pi, ro in enumerate(finals):

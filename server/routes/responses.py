@@ -16,11 +16,11 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from linrnn_server.errors import APIError, bad_request, from_engine_error, from_validation_error, internal
 from linrnn_server.protocol import ChatCompletionRequest
-from linrnn_server.rendering import SSE_HEADERS
+from linrnn_server.rendering import EventStreamResponse
 from linrnn_server.routes.chat import _ChoiceStream, final_message, prepare_chat
 from linrnn_server.serving import (Generation, check_model, new_id, state_of, until_disconnect,
                                    usage_of)
@@ -253,8 +253,7 @@ async def create_response(request: Request):
     await until_disconnect(request, gen.start())
     created = int(time.time())
     if chat.stream:
-        return StreamingResponse(_stream(gen, body, chat, model, created, run), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return EventStreamResponse(_stream(gen, body, chat, model, created, run))
     (ro,) = await until_disconnect(request, gen.final_outputs())
     c = ro.outputs[0]
     msg, finish = final_message(run, c.text, c.finish_reason)
