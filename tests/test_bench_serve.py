@@ -136,7 +136,12 @@ def test_multi_turn_workload(fake_server):
         core.append(["add", x[3] + 0.010, x[2]])
         core.append(["step", x[3] + 0.011, x[3] + 0.012, 1, [3, 1, 9, 0, 1, 0]])
         core.append(["core", x[3] + x[4] - 0.005, [[x[2], 1]]])
+    t0 = min(x[3] for x in recs)  # garbage collections: start-up ones (before the first send) are left out
+    server["events"] += [["gc", t0 - 5.0, 2, 0.300], ["gc", t0 + 0.001, 2, 0.0125], ["gc", t0 + 0.002, 0, 0.003]]
+    core.append(["gc", t0 + 0.003, 1, 0.004])
     out = prefix_timeline.analyse({"runs": [r]}, core, server, steps_turn=2)
+    assert "API server: 2 traced garbage collections during the run, 15.5 ms in all, longest 12.5 ms" in out
+    assert "engine core: 1 traced garbage collections during the run, 4.0 ms in all, longest 4.0 ms" in out
     row = next(line for line in out.splitlines() if line.startswith("| 2 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2:4] == ["4.0", "6.0"] and cells[5] == "5.0" and cells[9] == "9"

@@ -11,7 +11,8 @@ core -> the core queues it -> the core sends its first token -> the client reads
 split at the ASGI call: the client's send and HTTP parsing before it, body read and route after it), the burst's arrival spread at the core, and the
 steps that ran while the turn's requests waited for their first token; over turns 2..T the hand-over -> first
 token median and how many step calls ended in between (2: the request ran in the step after the one in flight,
-as late binding does when it arrives in time; 3: one step later); then one turn's steps in full.
+as late binding does when it arrives in time; 3: one step later); each process's traced garbage collections
+during the run; then one turn's steps in full.
 """
 from __future__ import annotations
 
@@ -65,7 +66,19 @@ def analyse(bench: dict, core: list[list], server: dict | None, steps_turn: int)
                 detail.append(f"| {1e3 * (s[1] - t_lo):.1f} | {1e3 * (s[2] - s[1]):.1f} | {arrived} | {d} | {pr} | "
                               f"{pt} | {ca} | {re} | {wa} | {sent} |")
                 prev = s[1]
-    return "\n".join(lines + [""] + waits(run, handed, first, steps) + [""] + detail)
+    t0 = min(r[3] for r in run["requests"])  # the bench's first send: start-up collections are left out
+    gc_lines = [gc_pauses("API server", server["events"] if server else [], t0), gc_pauses("engine core", core, t0)]
+    return "\n".join(lines + [""] + waits(run, handed, first, steps) + gc_lines + [""] + detail)
+
+
+def gc_pauses(who: str, events: list, t0: float) -> str:
+    """The process's traced garbage collections during the run (serve_probe's `gc` events: start, generation,
+    seconds, those over GC_MIN_S; each stalls every task of the process)."""
+    d = sorted(1e3 * e[3] for e in events if e[0] == "gc" and e[1] >= t0)
+    if not d:
+        return f"{who}: no traced garbage collection during the run"
+    return (f"{who}: {len(d)} traced garbage collections during the run, {sum(d):.1f} ms in all, "
+            f"longest {d[-1]:.1f} ms")
 
 
 def waits(run: dict, handed: dict, first: dict, steps: list) -> list[str]:
