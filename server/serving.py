@@ -234,26 +234,30 @@ def apply_default_max_tokens(state: ServerState, params: SamplingParams, prompt_
 
 async def until_disconnect(request: Request, coro):
     """Await `coro`, cancelling it if the client disconnects first (then raise ClientDisconnected).
-    Streaming responses get the same from Starlette once they have started."""
-    task = asyncio.ensure_future(coro)
+    Streaming responses get the same from Starlette once they have started. `coro` runs in this task (a
+    task of its own would start a loop turn later: the request's hand-over to the engine and its first
+    token each waited for one more turn of a loop busy with every other stream); a watcher task cancels
+    this one on a disconnect."""
+    route = asyncio.current_task()
+    gone = False
 
     async def watch():
-        while True:
-            if (await request.receive())["type"] == "http.disconnect":
-                return
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        route.cancel()
 
     watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await coro
+    except asyncio.CancelledError:
+        if gone:  # our own cancellation: the client left
+            route.uncancel()
+            raise ClientDisconnected() from None
+        raise
     finally:
-        watcher.cancel()  # not awaited when `coro` is done: that would cost the first token a loop turn
-        if not task.done():
-            task.cancel()
-            with anyio.CancelScope(shield=True):  # its cleanup (the request's abort) runs before we go on
-                await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
+        watcher.cancel()  # not awaited: nothing depends on it, and awaiting costs a loop turn
 
 
 async def _first_or_error(it: AsyncIterator[RequestOutput]) -> RequestOutput | Exception:

@@ -568,3 +568,44 @@ def test_event_stream_sends_from_the_route_task_and_stops_on_disconnect():
     assert asyncio.run(run(False)) == [b"data: 1\n\n"]
     with pytest.raises(ValueError, match="engine failed"):
         asyncio.run(run(True))
+
+
+def test_until_disconnect_runs_in_the_route_task_and_cancels_on_disconnect():
+    """until_disconnect: the awaited coroutine runs in the caller's task (the hand-over to the engine
+    starts without another loop turn); a disconnect cancels it (its cleanup runs) and raises
+    ClientDisconnected; the caller's task is not left cancelled."""
+    import asyncio
+
+    from linrnn_server.serving import ClientDisconnected, until_disconnect
+
+    class Req:
+        def __init__(self):
+            self.gone = asyncio.Event()
+
+        async def receive(self):
+            await self.gone.wait()
+            return {"type": "http.disconnect"}
+
+    async def main():
+        route, ran_in, cleaned = asyncio.current_task(), [], []
+
+        async def work(wait: bool):
+            ran_in.append(asyncio.current_task())
+            try:
+                if wait:
+                    await asyncio.sleep(30)
+                return 7
+            finally:
+                cleaned.append(wait)
+
+        assert await until_disconnect(Req(), work(False)) == 7
+        req = Req()
+        asyncio.get_running_loop().call_later(0.05, req.gone.set)
+        with pytest.raises(ClientDisconnected):
+            await until_disconnect(req, work(True))
+        assert ran_in == [route, route] and cleaned == [False, True]
+        assert route.cancelling() == 0
+        await asyncio.sleep(0)  # still usable
+        return True
+
+    assert asyncio.run(main())
