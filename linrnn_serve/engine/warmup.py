@@ -7,8 +7,8 @@ Paths covered: prefill from position 0 (a token count that is a multiple of the 
 that is not), prefill continuing at a non-zero start, decode, greedy and seeded sampling after a
 prefill, a batch of two prefills at once, a full-budget step of 16 prompts, a full-budget step beside a
 decode row; with prefix caching also a snapshot restore, a divergence point inside a KV block
-(copy-on-write), a finish snapshot and a full hit served from stored logits. Afterwards the prefix cache is emptied and every counter reset: metrics start at zero and nothing
-of the warm-up can be hit later.
+(copy-on-write), a finish snapshot and a full hit served from stored logits. Afterwards the prefix cache
+is emptied and every counter reset: metrics start at zero and nothing of the warm-up can be hit later.
 """
 from __future__ import annotations
 
