@@ -128,6 +128,38 @@ def test_align_skewed_routing():
     assert torch.equal(expert_ids[:len(ref_experts)], ref_experts)
 
 
+@pytest.mark.parametrize("T,E,k,block_m,chunk_min,skew", [
+    (512, 256, 8, 64, None, False),   # the prefill shape: one chunk of 4096 pairs
+    (1100, 64, 4, 16, None, True),    # several 1024-pair chunks, a partial last one, hot experts
+    (300, 256, 8, 64, 64, True),      # 38 chunks of 64 pairs, most experts unused
+    (250, 48, 3, 8, 32, False),       # E not a power of two, small blocks
+])
+def test_align_chunked_matches_naive(monkeypatch, T, E, k, block_m, chunk_min, skew):
+    """The chunked alignment (count -> scan -> place, from align.CHUNKED_MIN_PAIRS pairs) gives the naive
+    reference exactly; outputs poisoned first, ids outside [0, E) ignored as by the one-launch kernel."""
+    monkeypatch.setattr(align, "CHUNKED_MIN_PAIRS", 1)
+    if chunk_min:
+        monkeypatch.setattr(align, "_CHUNK_MIN", chunk_min)
+    assert align._chunk_size(T * k, E) is not None
+    real_empty = torch.empty
+    monkeypatch.setattr(align.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(-7))
+    g = torch.Generator().manual_seed(T)
+    if skew:  # a third of the pairs on 3 experts
+        hot = torch.randint(0, 3, (T, k), generator=g)
+        ids = torch.where(torch.rand(T, k, generator=g) < 0.33, hot, torch.randint(0, E, (T, k), generator=g))
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[T // 2, 0] = E  # an id outside [0, E): ignored
+    ids = ids.int().to(DEV)
+    sorted_ids, expert_ids, num_padded = align.moe_align_block_size(ids, E, block_m)
+    ref_sorted, ref_experts, ref_padded = naive.moe_align_block_size(ids, E, block_m)
+    assert int(num_padded) == ref_padded
+    assert torch.equal(sorted_ids[:ref_padded], ref_sorted)
+    used = ref_padded // block_m
+    assert torch.equal(expert_ids[:used], ref_experts)
+    assert bool((expert_ids[used:] == -1).all())
+
+
 @pytest.mark.parametrize("T,E,k,block_m", [(1, 256, 8, 8), (3, 16, 8, 8), (8, 12, 8, 8), (5, 7, 3, 8),
                                           (8, 24, 10, 8), (2, 4, 1, 8), (11, 40, 4, 16)])
 def test_pair_blocks_match_naive(monkeypatch, T, E, k, block_m):
