@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import KERNEL_DEVICE as DEV
 from linrnn_kernels.moe import experts, naive, nvfp4_mma, nvfp4_wgmma
 from linrnn_kernels.moe import grouped_gemm as gg
 
@@ -33,6 +34,16 @@ def test_permute_k_is_the_wgmma_fragment_order():
                             frag = base + 32 * cb + 16 * p + 8 * q + 2 * t + h
                             assert torch.equal(xp[:, frag], x[:, real])
     assert torch.equal(nvfp4_wgmma.unpermute_k(xp), x)
+
+
+@pytest.mark.parametrize("T,K", [(1, 64), (37, 192), (40, 2048)])
+def test_permute_k_kernel_matches_torch(monkeypatch, T, K):
+    """The Triton permute (CUDA default) equals the torch reshape / permute on fresh random values; its output
+    buffer is NaN-poisoned first, the input a strided view (row stride != K)."""
+    real_empty = torch.empty
+    monkeypatch.setattr(nvfp4_wgmma.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    x = torch.randn(T, K + 64, device=DEV).to(torch.bfloat16)[:, 32:32 + K]
+    assert torch.equal(nvfp4_wgmma.permute_k(x, kernel=True), nvfp4_wgmma.permute_k(x, kernel=False))
 
 
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")

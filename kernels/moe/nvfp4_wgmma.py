@@ -38,6 +38,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 from linrnn_kernels.moe import nvfp4_layout as lay
 from linrnn_kernels.moe import nvfp4_mma
@@ -70,11 +71,38 @@ MODES = ("rs", "ss")
 DEFAULT_MODE = "rs"
 
 
-def permute_k(x: torch.Tensor) -> torch.Tensor:
+def permute_k(x: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
     """Activations [T, K] -> the wgmma kernel's k order (a new contiguous tensor): within every 64 k,
-    the value of k = 16 t + 8 p + 4 q + 2 cb + h goes to 32 cb + 16 p + 8 q + 2 t + h (K a multiple of 64)."""
+    the value of k = 16 t + 8 p + 4 q + 2 cb + h goes to 32 cb + 16 p + 8 q + 2 t + h (K a multiple of 64).
+    kernel (default: on CUDA tensors): one Triton copy at copy bandwidth (torch's copy of the 7-D permuted view
+    is a strided elementwise kernel, several times slower at prefill sizes); else torch."""
     T, K = x.shape
-    return x.reshape(T, K // 64, 4, 2, 2, 2, 2).permute(0, 1, 5, 3, 4, 2, 6).reshape(T, K)
+    if K % 64:
+        raise ValueError(f"permute_k needs K % 64 == 0, got K={K}")
+    if not (x.is_cuda if kernel is None else kernel):
+        return x.reshape(T, K // 64, 4, 2, 2, 2, 2).permute(0, 1, 5, 3, 4, 2, 6).reshape(T, K)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(T, K, dtype=x.dtype, device=x.device)
+    block_k = 256 if K % 256 == 0 else 64
+    _permute_k_kernel[(triton.cdiv(T, _PERMUTE_ROWS), K // block_k)](
+        x, x.stride(0), out, T, BLOCK_T=_PERMUTE_ROWS, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+_PERMUTE_ROWS = 16
+
+
+@triton.jit
+def _permute_k_kernel(x_ptr, stride_x, out_ptr, T, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, d] = x[t, src(d)]: stores contiguous, loads gathered within each 64-k group (the same 128-byte lines)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r = d % 64  # = 32 cb + 16 p + 8 q + 2 t + h
+    src = (d - r) + ((r // 2) % 4) * 16 + ((r // 16) % 2) * 8 + ((r // 8) % 2) * 4 + (r // 32) * 2 + r % 2
+    ok = (rows < T)[:, None]
+    v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + src[None, :], mask=ok)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * (tl.num_programs(1) * BLOCK_K) + d[None, :], v, mask=ok)
 
 
 def unpermute_k(x: torch.Tensor) -> torch.Tensor:
