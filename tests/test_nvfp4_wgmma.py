@@ -73,6 +73,21 @@ def test_sm90_compile_k_loop(gated, block_n, stages, warps, units):
 
 
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
+@pytest.mark.parametrize("gated,stages,warps,units,sub_log", [
+    (True, 4, 8, 1, 1), (False, 4, 8, 1, 1), (False, 3, 8, 2, 1), (True, 3, 4, 1, 2), (False, 3, 8, 1, 2)])
+def test_sm90_compile_wide_tiles(gated, stages, warps, units, sub_log):
+    """Adaptive width compiled for sm_90: one tile per width (wgmma N = 64, 128[, 256]), each with the register-A
+    K loop (no shared-memory store of weights, the weight regrouping trivial), no spills; shared memory is the
+    widest tile's (the widths' buffers are not live together)."""
+    st = nvfp4_wgmma.k_loop_stats(gated=gated, block_n=64, stages=stages, warps=warps, units=units, sub_log=sub_log)
+    assert st["hgmma_shapes"] == {1: ["64x128", "64x64"], 2: ["64x128", "64x256", "64x64"]}[sub_log], st
+    assert st["smem_stores_in_loop"] == 0 and st["spill_ops"] == 0 and st["regs"] <= 255, st
+    assert st["convert_layouts"] == units * (sub_log + 1), st
+    widest = stages * units * (64 << sub_log) * 64 * 2 + stages * warps * units * 32 * 20  # x ring + codes + scales
+    assert widest <= st["shared"] < widest + 4096, (widest, st["shared"])
+
+
+@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
 @pytest.mark.parametrize("gated,block_n,stages,warps,units", [
     (True, 64, 4, 8, 1), (False, 64, 4, 8, 1), (True, 64, 3, 8, 1), (False, 128, 3, 8, 1), (True, 64, 4, 4, 1)])
 def test_sm90_compile_k_loop_smem_operand(gated, block_n, stages, warps, units):
@@ -106,6 +121,14 @@ TILES = [(64, 4, 1), (64, 8, 1), (64, 8, 2), (64, 16, 1), (64, 16, 2), (128, 8, 
 # mode "ss" (decoded tile in shared memory, double-buffered): the tiles whose shared memory fits at 3 and 4 stages
 SS_TILES = [(64, 4, 1), (64, 8, 1), (128, 8, 1)]
 
+# adaptive width (sub_log > 0): expert blocks of 64 << sub_log slots run at wgmma N = 64 x their valid sub-blocks
+WIDE_TILES = [(64, 8, 1, 1), (64, 8, 2, 1), (64, 4, 1, 2), (64, 8, 1, 2)]
+
+
+def _cases():
+    """(block_n, warps, units, sub_log, mode) of every tested tile."""
+    return ([(*t, 0, "rs") for t in TILES] + [(*t, "rs") for t in WIDE_TILES] + [(*t, 0, "ss") for t in SS_TILES])
+
 
 def _err(y, ref):
     return float((y.double() - ref.double()).norm() / ref.double().norm())
@@ -126,13 +149,13 @@ def test_wgmma_matches_naive_qwen_shapes(nan_buffers, B):
     w13, w2 = _weights(E, H, I, "cuda")
     x, topw, ids = _routed(B, E, k, H, B)
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for (block_n, warps, units), mode in [(t, "rs") for t in TILES] + [(t, "ss") for t in SS_TILES]:
+    for block_n, warps, units, sub_log, mode in _cases():
         y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n, warps=warps, units=units,
-                                      mode=mode)
+                                      mode=mode, sub_log=sub_log)
         assert not y.isnan().any()
         # the same exactly dequantized weights; only the summation order and the bf16 rounding of
         # the SiLU * up intermediate (and of the down partials, experts.WGMMA_BF16_PARTIALS) differ
-        assert _err(y, ref) <= 1e-2, (block_n, warps, units, mode, _err(y, ref))
+        assert _err(y, ref) <= 1e-2, (block_n, warps, units, sub_log, mode, _err(y, ref))
 
 
 @pytest.mark.gpu
@@ -145,20 +168,21 @@ def test_wgmma_default_model_shapes(nan_buffers, B):
     w13, w2 = _weights(E, H, I, "cuda", seed=5)
     x, topw, ids = _routed(B, E, k, H, B)
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for (block_n, warps, units), mode in [(t, "rs") for t in TILES] + [(t, "ss") for t in SS_TILES]:
+    for block_n, warps, units, sub_log, mode in _cases():
         if not (nvfp4_wgmma.supports(w13.packed, warps) and nvfp4_wgmma.supports(w2.packed, warps)):
             continue
         for stages in (3, 4):  # 4 stages at 2 units: a 2-step prologue for 1 K step
             y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n, stages=stages,
-                                          warps=warps, units=units, mode=mode)
+                                          warps=warps, units=units, mode=mode, sub_log=sub_log)
             torch.cuda.synchronize()
             assert not y.isnan().any()
-            assert _err(y, ref) <= 1e-2, (block_n, stages, warps, units, mode, _err(y, ref))
+            assert _err(y, ref) <= 1e-2, (block_n, stages, warps, units, sub_log, mode, _err(y, ref))
 
 
 @pytest.mark.gpu
 def test_wgmma_skewed_loads(nan_buffers):
-    """Experts with 0 / 1 / 63 / 64 / 65 / 300 tokens (block edges of the 64-token tile, a many-block expert)."""
+    """Experts with 0 / 1 / 63 / 64 / 65 / 129 / 300 tokens (block edges of the 64-token tile, a many-block expert;
+    wide tiles: 1, 2, 3 (run as 4) and 4 valid sub-blocks)."""
     E, H, I = 8, 512, 256
     w13, w2 = _weights(E, H, I, "cuda", seed=3)
     loads = [0, 1, 63, 64, 65, 300, 0, 129]
@@ -167,13 +191,28 @@ def test_wgmma_skewed_loads(nan_buffers):
     x = torch.randn(ids.shape[0], H, device="cuda").bfloat16()
     topw = torch.rand(ids.shape[0], 1, device="cuda").bfloat16()
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for (block_n, warps, units), mode in [(t, "rs") for t in TILES] + [(t, "ss") for t in SS_TILES]:
+    for block_n, warps, units, sub_log, mode in _cases():
         for stages in (3, 4):
             bf16p = stages == 4  # both dtypes of the down partials on every tile
             y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n, stages=stages,
-                                          warps=warps, units=units, mode=mode, bf16_partials=bf16p)
+                                          warps=warps, units=units, mode=mode, bf16_partials=bf16p,
+                                          sub_log=sub_log)
             assert not y.isnan().any()
-            assert _err(y, ref) <= 1e-2, (block_n, stages, warps, units, mode, bf16p, _err(y, ref))
+            assert _err(y, ref) <= 1e-2, (block_n, stages, warps, units, sub_log, mode, bf16p, _err(y, ref))
+
+
+@pytest.mark.gpu
+def test_wgmma_wide_tiles_bitwise_equal_narrow(nan_buffers):
+    """The adaptive width changes which tokens share a wgmma, not any token's k order: every wide tile's output
+    equals the 64-token tile's bit for bit (Qwen shapes, 2048 tokens: experts of 1-4 sub-blocks)."""
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda", seed=4)
+    x, topw, ids = _routed(2048, E, k, H, 11)
+    y0 = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=64, warps=8, units=1)
+    for block_n, warps, units, sub_log in WIDE_TILES:
+        y = experts.moe_experts_wgmma(x, topw, ids, w13.packed, w2.packed, block_n=block_n, warps=warps, units=units,
+                                      sub_log=sub_log)
+        assert torch.equal(y, y0), (block_n, warps, units, sub_log, _err(y, y0))
 
 
 @pytest.mark.gpu

@@ -8,14 +8,18 @@
 # (C) ENGINE=1: bench batched --npp 2048 --ntg 16 --npl 1,8 and --npp 128 --ntg 128 --npl 128 (S_PP); ENGINE_AB=1
 #     adds the 2048 run with the wgmma path off (LINRNN_NVFP4_WGMMA=0); SKIP_BENCH=1 skips (B);
 # (D) PREFIX=on|off|report: that stage of tools/gpu_prefix.sh (issue #16's TTFT benefit; on / off ~3-5 min each);
-# OVERLAY=1 (OLD_DIR=<dir with kernels/moe/{nvfp4_wgmma,experts}.py of the old commit>): the layer at SIZES with the old
-#     and the new wgmma path in one process (tools/gpu_wgmma_overlay.py); ENGINE_TESTS=1: the engine's graphs-on ==
+# OVERLAY=1 (OLD_DIR=<dir with kernels/moe/{nvfp4_wgmma,experts,align}.py of the old commit>): the layer at SIZES with
+#     the old and the new wgmma path in one process (tools/gpu_wgmma_overlay.py; OVERLAY_ARGS: more bench flags, e.g.
+#     --profile for device time per kernel); ENGINE_TESTS=1: the engine's graphs-on ==
 #     graphs-off test at NVFP4 A3B shapes, B = 1 and 64 (a 64-prompt prefill takes the wgmma path). TESTS_K: pytest -k.
+# EXTRA_TESTS: more pytest node ids / files run first (unmarked CPU tests run on the GPU there, e.g. the alignment).
 # LINRNN_COMMIT=<sha> bash tools/gpu_moe_prefill.sh   -> $OUT/moe_prefill_* (tables), $OUT/*.log
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 filt() { grep -vE "leaked|nanobind|^ - |Warning|warn_once|See https"; }
+[ -n "${EXTRA_TESTS:-}" ] && timeout ${T_EXTRA:-120} python3 -m pytest -q $EXTRA_TESTS -p no:cacheprovider \
+  --junitxml=$OUT/test_extra_gpu.xml 2>&1 | filt | tail -8
 timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu tests/test_nvfp4_wgmma.py -p no:cacheprovider -x ${TESTS_K:+-k "$TESTS_K"} \
   --junitxml=$OUT/test_nvfp4_wgmma_gpu.xml 2>&1 | filt | tail -15
 el "tests done"
@@ -27,7 +31,7 @@ rm -rf $OUT/moe_prefill
 el "bench done"
 if [ -n "${OVERLAY:-}" ]; then  # old (OLD_DIR: main's nvfp4_wgmma.py + experts.py) vs new in one bench process
   timeout ${T_OVERLAY:-150} python3 tools/gpu_wgmma_overlay.py --batch-sizes ${SIZES:-512,1024,2048,4096,8192} \
-    --variants ${OVERLAY_VARIANTS:-nvfp4/wgmma-old,nvfp4/wgmma,nvfp4/mma} --sets 1 --warmup 10 --rep ${REP:-30} \
+    --variants ${OVERLAY_VARIANTS:-nvfp4/wgmma-old,nvfp4/wgmma,nvfp4/mma} --sets 1 --warmup 10 --rep ${REP:-30} ${OVERLAY_ARGS:-} \
     --out $OUT/overlay 2>&1 | filt | grep -v "^{" | tail -30
   cp $OUT/overlay/*.md $OUT/overlay_table.md 2>/dev/null; cp $OUT/overlay/*.json $OUT/overlay.json 2>/dev/null
   rm -rf $OUT/overlay

@@ -16,7 +16,8 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
   nvfp4/asm       our kernels, NVFP4 experts, inline-PTX decode (the older Hopper kernel)
   nvfp4/wgmma     the prefill kernel (nvfp4_wgmma.py: wide token blocks on wgmma) at any batch; -nN-wW fix its
                   tokens per expert block (64 / 128 / 256), warps per CTA (4 / 8 / 16) 64-k units per K step (1 / 2), -sS the cp.async ring depth (default 4);
-                  -nN-wW-uU-sS-{rs,ss}-{f32,b16}: also the K loop schedule (nvfp4_wgmma.MODES) and the down partials' dtype
+                  -nN-wW-uU-sS-{rs,ss}-{f32,b16}: also the K loop schedule (nvfp4_wgmma.MODES) and the down partials' dtype;
+                  -n64-wW-uU-sS-xX: adaptive width (expert blocks of 64 << X slots, wgmma N = 64 x valid sub-blocks)
   nvfp4/mma-any / nvfp4/dequant-bf16: the MMA kernel / dequantize-to-bf16 path at any batch
   nvfp4/w4a4      our kernels, W4A4 on FP4 tensor cores (sm_100+ only, added there automatically;
                   checked against the W4A4 reference, with a 2e-2 bound)
@@ -205,7 +206,8 @@ def ours_mma_any(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
     return experts.moe_experts_mma(x, topw, ids, a.packed, b.packed)
 
 
-def ours_wgmma(block_n=None, warps=None, units=None, stages=None, proxy_fence=True, mode=None, bf16p=None):
+def ours_wgmma(block_n=None, warps=None, units=None, stages=None, proxy_fence=True, mode=None, bf16p=None,
+               sub_log=None):
     """The wide-token wgmma prefill kernel (nvfp4_wgmma.py) at any batch, `block_n` tokens per expert block
     (None: experts.wgmma_block_n's choice): the sweep that places experts.WGMMA_MIN_MEAN_PAIRS. mode: the K loop
     schedule (nvfp4_wgmma.MODES), bf16p: bf16 down partials on / off (None: the defaults)."""
@@ -213,7 +215,7 @@ def ours_wgmma(block_n=None, warps=None, units=None, stages=None, proxy_fence=Tr
         topw, ids = router.route(logits, top_k, True)
         a, b = with_packed(w13, w2)
         opts = {k: v for k, v in (("warps", warps), ("units", units), ("stages", stages), ("mode", mode),
-                                  ("bf16_partials", bf16p)) if v is not None}
+                                  ("bf16_partials", bf16p), ("sub_log", sub_log)) if v is not None}
         return experts.moe_experts_wgmma(x, topw.to(x.dtype), ids, a.packed, b.packed, block_n=block_n,
                                          proxy_fence=proxy_fence, **opts)
     return fn
@@ -242,6 +244,9 @@ VARIANTS = {
     **{f"nvfp4/wgmma-n{n}-w{w}-u{u}-s{st}-{m}-{d}": ("nvfp4", ours_wgmma(n, w, u, st, True, m, d == "b16"))
        for n in (64, 128) for w in (4, 8) for u in (1, 2) for st in (3, 4) for m in ("rs", "ss")
        for d in ("f32", "b16") if 4 * w <= n},
+    # round 3: adaptive width, expert blocks of 64 << x slots run at wgmma N = 64 x their valid sub-blocks (-xX)
+    **{f"nvfp4/wgmma-n64-w{w}-u{u}-s{st}-x{x}": ("nvfp4", ours_wgmma(64, w, u, st, sub_log=x))
+       for w in (4, 8) for u in (1, 2) for st in (3, 4) for x in (1, 2)},
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),

@@ -104,7 +104,7 @@ def _align_count_kernel(ids_ptr, counts_ptr, P, E, CHUNK: tl.constexpr, BLOCK_E:
 
 @triton.jit
 def _align_scan_kernel(counts_ptr, base_ptr, ends_ptr, sorted_ptr, num_padded_ptr, NC, P,
-                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, PAD_M: tl.constexpr):
     """One program: expert e's run starts at start[e] (padded runs in expert order); chunk c's pairs of expert e
     go to start[e] + (their count in earlier chunks) + rank, stored as base[c, e] = start[e] + earlier[c, e]
     - below[c, e] (below: chunk c's pairs of smaller experts, i.e. the first sorted position of e in the chunk).
@@ -122,9 +122,9 @@ def _align_scan_kernel(counts_ptr, base_ptr, ends_ptr, sorted_ptr, num_padded_pt
     tl.store(base_ptr + tile, start[None, :] + earlier - below, mask=(offs_c < NC)[:, None])
     tl.store(ends_ptr + offs_e, ends)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    offs_m = tl.arange(0, BLOCK_M)
-    pad = (start + count)[:, None] + offs_m[None, :]
-    tl.store(sorted_ptr + pad, tl.zeros((BLOCK_E, BLOCK_M), tl.int32) + P, mask=pad < ends[:, None])
+    for m0 in tl.static_range(0, BLOCK_M, PAD_M):  # [E, PAD_M] at a time (block_m up to 256)
+        pad = (start + count + m0)[:, None] + tl.arange(0, PAD_M)[None, :]
+        tl.store(sorted_ptr + pad, tl.zeros((BLOCK_E, PAD_M), tl.int32) + P, mask=pad < ends[:, None])
 
 
 @triton.jit
@@ -192,7 +192,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     ends = torch.empty(block_e, dtype=torch.int32, device=dev)
     _align_count_kernel[(nc,)](ids, counts, P, num_experts, CHUNK=chunk, BLOCK_E=block_e, num_warps=4)
     _align_scan_kernel[(1,)](counts, base, ends, sorted_ids, num_padded, nc, P, BLOCK_M=block_m,
-                             BLOCK_C=triton.next_power_of_2(nc), BLOCK_E=block_e, num_warps=8)
+                             BLOCK_C=triton.next_power_of_2(nc), BLOCK_E=block_e, PAD_M=min(block_m, 64), num_warps=8)
     _align_place_kernel[(nc,)](ids, base, ends, sorted_ids, expert_ids, P, num_experts, max_blocks,
                                triton.cdiv(max_blocks, nc), CHUNK=chunk, BLOCK_M=block_m, BLOCK_E=block_e,
                                BLOCK_B=32, num_warps=4)

@@ -216,12 +216,13 @@ def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
                       stages: int = nvfp4_wgmma.DEFAULT_STAGES, warps: int = nvfp4_wgmma.DEFAULT_WARPS,
                       units: int = nvfp4_wgmma.DEFAULT_UNITS, proxy_fence: bool = True,
                       mode: str = nvfp4_wgmma.DEFAULT_MODE, bf16_partials: bool = WGMMA_BF16_PARTIALS,
-                      alignment: Alignment | None = None,
+                      sub_log: int = nvfp4_wgmma.DEFAULT_SUB_LOG, alignment: Alignment | None = None,
                       combine: bool = True):
     """The prefill path on Hopper: NVFP4 experts repacked as MMA fragments (the decode path's layout),
     expert blocks of 64-256 tokens on async wgmma (nvfp4_wgmma.py). x [T, H] bf16 in natural k order;
     it is k-permuted once here, and the gate_up kernel writes h in that order for the down kernel.
-    mode: the K loop's schedule (nvfp4_wgmma.MODES). bf16_partials: the down GEMM's
+    mode: the K loop's schedule (nvfp4_wgmma.MODES). sub_log: adaptive width (expert blocks of block_n << sub_log
+    slots, each one tile of wgmma N = block_n x its valid sub-blocks; nvfp4_wgmma.launch). bf16_partials: the down GEMM's
     [pairs, H] per-pair outputs in bf16 (half the bytes written and read by the top-k combine, which still adds
     them in f32 in a fixed order); f32 where the caller takes the uncombined Partials."""
     T, H = x.shape
@@ -232,10 +233,10 @@ def moe_experts_wgmma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
         out = gg.alloc(T, H, dtype=x.dtype, device=x.device)
     P = T * top_k
     block_n = block_n or wgmma_block_n(P, E)
-    sorted_ids, expert_ids = aligned(topk_ids, E, block_n, alignment)
+    sorted_ids, expert_ids = aligned(topk_ids, E, block_n << sub_log, alignment)
     common = dict(num_rows=P, num_m_blocks=expert_ids.numel(), sorted_ids=sorted_ids, expert_ids=expert_ids,
                   block_n=block_n, stages=stages, warps=warps, units=units, proxy_fence=proxy_fence,
-                  mode=mode)
+                  mode=mode, sub_log=sub_log)
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     nvfp4_wgmma.launch(nvfp4_wgmma.permute_k(x), p13, h, a_row_div=top_k, **common)
     part_dtype = torch.bfloat16 if bf16_partials and combine else torch.float32

@@ -62,6 +62,9 @@ DEFAULT_BLOCK_N = 64
 DEFAULT_STAGES = 4
 DEFAULT_WARPS = 8
 DEFAULT_UNITS = 2
+# Adaptive width (experiment, round 3): expert blocks of 64 << SUB_LOG slots, each run as one tile whose wgmma N covers
+# its valid 64-slot sub-blocks, so a decoded weight tile serves up to 256 tokens without padding waste beyond 64
+DEFAULT_SUB_LOG = 0
 # K loop schedules: "rs" decode -> wgmma on the register operand -> wait (only other CTAs on the SM overlap a CTA's
 # decode with MMAs); "ss" the decoded tile stored to shared memory (double-buffered) and both wgmma operands read
 # there, so the next step's decode runs under the in-flight wgmmas. Issuing the next decode between a register-operand
@@ -185,7 +188,38 @@ if nvfp4_mma.HAVE_GLUON:
             A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr,
             GAIN: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr, PROXY_FENCE: gl.constexpr,
-            A_SMEM: gl.constexpr):
+            A_SMEM: gl.constexpr, SUB_LOG: gl.constexpr):
+        """One CTA: ROWS weight rows x one expert block of BLOCK_N << SUB_LOG token slots. SUB_LOG > 0 (adaptive
+        width): the block's valid BLOCK_N-slot sub-blocks form a prefix (an expert's pairs come before its padding),
+        and the tile runs with wgmma N = BLOCK_N x their count rounded up to a power of two, so a weight tile is
+        decoded once per up to BLOCK_N << SUB_LOG tokens while all-padding sub-blocks cost nothing."""
+        pid = gl.program_id(0)
+        pid_n = pid % num_row_tiles     # the row tiles of one token block run together (activations in L2)
+        pid_m = pid // num_row_tiles
+        expert = gl.load(expert_ids_ptr + pid_m)
+        if expert < 0:
+            return
+        expert = expert.to(gl.int64)
+        slot0 = pid_m * (BLOCK_N << SUB_LOG)
+        nsub = 1  # valid sub-blocks
+        for s in gl.static_range(1, 1 << SUB_LOG):
+            nsub += (gl.load(sorted_ids_ptr + slot0 + s * BLOCK_N) < num_rows).to(gl.int32)
+        wlog = (nsub > 1).to(gl.int32) + (nsub > 2).to(gl.int32)  # log2 of the width in sub-blocks (3 -> 4)
+        for lg in gl.static_range(SUB_LOG + 1):
+            if wlog == lg:
+                _tile(x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_om, sorted_ids_ptr, route_w_ptr,
+                      num_rows, N, k_units, stride_ce, stride_se, stride_rse, pid_n, expert, slot0,
+                      A_ROW_DIV, GATED, ROUTE_WEIGHTED, BLOCK_N << lg, STAGES, DECODE, CONSTRAINTS, GAIN, WARPS,
+                      UNITS, PROXY_FENCE, A_SMEM)
+
+    @gluon.jit
+    def _tile(x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_om, sorted_ids_ptr, route_w_ptr,
+              num_rows, N, k_units, stride_ce, stride_se, stride_rse, pid_n, expert, slot0,
+              A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr,
+              GAIN: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr, PROXY_FENCE: gl.constexpr,
+              A_SMEM: gl.constexpr):
+        """ROWS weight rows x the BLOCK_N token slots from slot0 of the expert's block (the whole K loop and epilogue)."""
         ROWS: gl.constexpr = 16 * WARPS  # 64 weight rows per warpgroup; the warpgroups share the B tile
         BK: gl.constexpr = 64            # k per shared-memory activation tile (one unit of the packed layout)
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -202,19 +236,11 @@ if nvfp4_mma.HAVE_GLUON:
         c_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
         s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
 
-        pid = gl.program_id(0)
-        pid_n = pid % num_row_tiles     # the row tiles of one token block run together (activations in L2)
-        pid_m = pid // num_row_tiles
-        expert = gl.load(expert_ids_ptr + pid_m)
-        if expert < 0:
-            return
-        expert = expert.to(gl.int64)
-
         # gathered activation rows of this block; padding slots copy nothing (zero-filled, their columns are
         # never stored): with few tokens per expert most slots are padding, and reading one row for all of
         # them makes every CTA hammer the same L2 lines
         offs_xn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, xl))
-        ids_x = gl.load(sorted_ids_ptr + pid_m * BLOCK_N + offs_xn)
+        ids_x = gl.load(sorted_ids_ptr + slot0 + offs_xn)
         x_ok = ids_x < num_rows
         x_rows = gl.where(x_ok, ids_x // A_ROW_DIV, 0).to(gl.int64)
         offs_xk = gl.arange(0, BK, layout=gl.SliceLayout(0, xl))
@@ -315,12 +341,12 @@ if nvfp4_mma.HAVE_GLUON:
             # stored in the down GEMM's k order (permute_k): col = 64 c + 16 t + 8 p + 4 q + 2 cb + h
             pos = ((col // 64) * 64 + ((col // 2) % 2) * 32 + ((col // 8) % 2) * 16 + ((col // 4) % 2) * 8
                    + ((col // 16) % 4) * 2 + col % 2)
-            hids = gl.load(sorted_ids_ptr + pid_m * BLOCK_N + hn)
+            hids = gl.load(sorted_ids_ptr + slot0 + hn)
             hok = (col < half)[:, :, None] & (hids < num_rows)[None, None, :]
             gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + pos[:, :, None],
                      h.to(out_ptr.dtype.element_ty), mask=hok)
         else:
-            ids = gl.load(sorted_ids_ptr + pid_m * BLOCK_N + offs_t)
+            ids = gl.load(sorted_ids_ptr + slot0 + offs_t)
             tok_ok = ids < num_rows
             if ROUTE_WEIGHTED:
                 acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
@@ -344,18 +370,21 @@ def supports(w: lay.PackedNvfp4, warps: int = DEFAULT_WARPS) -> bool:
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, block_n: int, route_weights=None,
            a_row_div: int = 1, stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, units: int = DEFAULT_UNITS,
-           proxy_fence: bool = True, mode: str = DEFAULT_MODE):
-    """One grouped GEMM over expert blocks of `block_n` tokens (align.py with block_m = block_n).
+           proxy_fence: bool = True, mode: str = DEFAULT_MODE, sub_log: int = DEFAULT_SUB_LOG):
+    """One grouped GEMM over expert blocks of `block_n << sub_log` tokens (align.py with that block_m); sub_log > 0:
+    each block runs as one tile of wgmma N = block_n x its valid sub-blocks (rounded up to a power of two).
     x: activations in permute_k order. out: gated: [rows, N/2] bf16 SiLU(gate) * up in permute_k order;
     else f32 [rows, N] (times the routing weight if given), natural column order."""
     E, T, U, _ = w.codes.shape
     if not supports(w, warps):
         raise ValueError(f"nvfp4_wgmma needs K % 64 == 0 and rows in {16 * warps}-row tiles (k={w.k}, tiles={T})")
     if (block_n not in BLOCK_NS or stages < 3 or warps not in (4, 8, 16) or 4 * warps > block_n
-            or units not in (1, 2) or U % units or mode not in MODES):
+            or units not in (1, 2) or U % units or mode not in MODES or sub_log not in (0, 1, 2)
+            or block_n << sub_log > 256):
         raise ValueError(f"block_n {block_n} not in {BLOCK_NS}, stages {stages} < 3, warps {warps} not 4 / 8 / 16 "
                          f"(at most block_n / 4), units {units} not 1 / 2 dividing the k units {U} "
-                         f"or mode {mode!r} not in {MODES}")
+                         f"or mode {mode!r} not in {MODES}, or sub_log {sub_log} not 0-2 with block_n << sub_log "
+                         f"<= 256 (the wgmma N limit)")
     tiles = T // warps
     grid = (num_m_blocks * tiles,)
     _nvfp4_wgmma_kernel[grid](
@@ -366,14 +395,14 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None, BLOCK_N=block_n,
         STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
         GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, PROXY_FENCE=proxy_fence,
-        A_SMEM=mode == "ss", num_warps=warps)
+        A_SMEM=mode == "ss", SUB_LOG=sub_log, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------
 # Offline compilation (tests, benchmark tables): SASS of the kernel for sm_90 without a GPU
 
 def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, warps: int = 4,
-                    units: int = 1, arch: int = 90, mode: str = DEFAULT_MODE):
+                    units: int = 1, arch: int = 90, mode: str = DEFAULT_MODE, sub_log: int = 0):
     """triton.compile the kernel for sm_<arch> (no GPU needed); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -384,7 +413,7 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
     consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, ROUTE_WEIGHTED=not gated, BLOCK_N=block_n,
                   STAGES=stages, DECODE=nvfp4_mma.DECODE_ASM, CONSTRAINTS=nvfp4_mma.DECODE_CONSTRAINTS,
                   GAIN=lay.DECODE_GAIN, WARPS=warps, UNITS=units, PROXY_FENCE=True,
-                  A_SMEM=mode == "ss")
+                  A_SMEM=mode == "ss", SUB_LOG=sub_log)
     for k in consts:
         sig[k] = "constexpr"
     div16 = {"x_ptr", "stride_x", "codes_ptr", "scales_ptr", "rs_ptr", "out_ptr", "stride_om", "sorted_ids_ptr",
@@ -397,12 +426,13 @@ def compile_offline(gated: bool = True, block_n: int = 128, stages: int = DEFAUL
 
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, block_n: int = 128, stages: int = DEFAULT_STAGES, warps: int = 4,
-                 units: int = 1, arch: int = 90, mode: str = DEFAULT_MODE) -> dict:
+                 units: int = 1, arch: int = 90, mode: str = DEFAULT_MODE, sub_log: int = 0) -> dict:
     """SASS statistics of the K loop compiled for sm_<arch> (no GPU needed): instructions per
     iteration and per weight (a thread decodes 64 rows x 64 k / 128 threads = 32 weights a step),
     opcode counts, shared-memory stores in the loop (decoded weights would need STS / STSM), shared
     loads, spills, registers and shared memory. Compiles in a clean process under TRITON_INTERPRET."""
-    args = dict(gated=gated, block_n=block_n, stages=stages, warps=warps, units=units, arch=arch, mode=mode)
+    args = dict(gated=gated, block_n=block_n, stages=stages, warps=warps, units=units, arch=arch, mode=mode,
+                sub_log=sub_log)
     if os.environ.get("TRITON_INTERPRET") == "1":
         return nvfp4_mma.in_clean_process(__name__, "k_loop_stats", **args)
     k = compile_offline(**args)
@@ -414,6 +444,9 @@ def _loop_stats(k, weights_per_iter: int) -> dict:
     st["smem_stores_in_loop"] = sum(v for o, v in st["ops"].items() if o in ("STS", "STSM"))
     # convert_layout ops left in the kernel (the weight path's is asserted trivial and folds away)
     st["convert_layouts"] = k.asm["ttgir"].count("ttg.convert_layout")
+    # wgmma shapes anywhere in the kernel (the adaptive width compiles one tile per width)
+    import re
+    st["hgmma_shapes"] = sorted(set(re.findall(r"HGMMA\.(64x\d+)x16", nvfp4_mma._sass(k.asm["cubin"]))))
     return st
 
 
