@@ -5,7 +5,8 @@
 # (B) one MoE layer (35B-A3B shapes, CUDA-graph replays) at B = 128 .. 8192 tokens: the new kernel (by block
 #     size), the engine's default path (nvfp4/mma = what experts.moe_experts picks), the MMA decode kernel, the
 #     old grouped GEMM, dequantize + bf16 and the bf16-weights path in one run, with routed-GEMM TFLOP/s;
-# (C) ENGINE=1: bench batched --npp 2048 --ntg 16 --npl 1,8 and --npp 128 --ntg 128 --npl 128 (S_PP); ENGINE_AB=1
+# (C) ENGINE=1: bench batched --npp 2048 --ntg 16 --npl 1,8 and --npp 128 --ntg 128 --npl 128 (S_PP; ENGINE_SPP=1:
+#     only --npp 128 --ntg 128 --npl 64,128); ENGINE_AB=1
 #     adds the 2048 run with the wgmma path off (LINRNN_NVFP4_WGMMA=0); SKIP_BENCH=1 skips (B);
 # (D) PREFIX=on|off|report: that stage of tools/gpu_prefix.sh (issue #16's TTFT benefit; on / off ~3-5 min each);
 # OVERLAY=1 (OLD_DIR=<dir with kernels/moe/{nvfp4_wgmma,experts,align}.py of the old commit>): the layer at SIZES with
@@ -51,8 +52,12 @@ if [ -n "${ENGINE:-}" ]; then  # the engine (NVFP4 35B-A3B dummy): 2048-token pr
     if [ -f /tmp/$o/batched.md ]; then cp /tmp/$o/batched.md $OUT/$o.md; grep "^|" /tmp/$o/batched.md | head -12
     else tail -5 /tmp/$o.log; fi
   }
-  eng batched_2048 ${T_E1:-120} --npp 2048 --ntg 16 --npl 1,8
-  eng batched_128 ${T_E2:-120} --npp 128 --ntg 128 --npl 128 --vllm-ref
+  if [ -n "${ENGINE_SPP:-}" ]; then  # only T_PP / S_PP at npl 64 and 128 (and S_TG beside them)
+    eng batched_spp ${T_E2:-120} --npp 128 --ntg 128 --npl 64,128 --vllm-ref
+  else
+    eng batched_2048 ${T_E1:-120} --npp 2048 --ntg 16 --npl 1,8
+    eng batched_128 ${T_E2:-120} --npp 128 --ntg 128 --npl 128 --vllm-ref
+  fi
   [ -n "${ENGINE_AB:-}" ] && LINRNN_NVFP4_WGMMA=0 eng batched_2048_off ${T_E3:-120} --npp 2048 --ntg 16 --npl 1,8
   el "engine done"
 fi
