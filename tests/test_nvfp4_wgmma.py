@@ -270,3 +270,15 @@ def test_supports_only_whole_tiles_and_k():
     assert not nvfp4_wgmma.supports(packed(256, 96, True))    # k padded to 128: activations would be over-read
     assert not nvfp4_wgmma.supports(packed(64, 128, False))   # 4 tiles: half a 128-row CTA
     assert nvfp4_wgmma.supports(packed(64, 128, False), warps=4)
+
+
+def test_wgmma_tile_knob(monkeypatch):
+    """LINRNN_WGMMA_TILE sets the engine path's tile (block_n, warps, units, stages, sub_log); a malformed value is a
+    clear error, unset leaves nvfp4_wgmma's defaults."""
+    monkeypatch.delenv("LINRNN_WGMMA_TILE", raising=False)
+    assert experts.wgmma_tile() == {}
+    monkeypatch.setenv("LINRNN_WGMMA_TILE", "64,8,1,4,1")
+    assert experts.wgmma_tile() == dict(block_n=64, warps=8, units=1, stages=4, sub_log=1)
+    monkeypatch.setenv("LINRNN_WGMMA_TILE", "64,8,1")
+    with pytest.raises(ValueError, match="block_n,warps,units,stages,sub_log"):
+        experts.wgmma_tile()

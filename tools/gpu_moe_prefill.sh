@@ -14,6 +14,8 @@
 #     --profile for device time per kernel); ENGINE_TESTS=1: the engine's graphs-on ==
 #     graphs-off test at NVFP4 A3B shapes, B = 1 and 64 (a 64-prompt prefill takes the wgmma path). TESTS_K: pytest -k.
 # EXTRA_TESTS: more pytest node ids / files run first (unmarked CPU tests run on the GPU there, e.g. the alignment).
+# PICK_TILE=1 (after OVERLAY): the engine stages run on the fastest -n..-x.. overlay variant (LINRNN_WGMMA_TILE) if it
+#     beats nvfp4/wgmma by >= 3 % at the largest size and is nowhere > 1 % slower; $OUT/picked_tile.txt says which.
 # LINRNN_COMMIT=<sha> bash tools/gpu_moe_prefill.sh   -> $OUT/moe_prefill_* (tables), $OUT/*.log
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -37,6 +39,26 @@ if [ -n "${OVERLAY:-}" ]; then  # old (OLD_DIR: main's nvfp4_wgmma.py + experts.
   cp $OUT/overlay/*.md $OUT/overlay_table.md 2>/dev/null; cp $OUT/overlay/*.json $OUT/overlay.json 2>/dev/null
   rm -rf $OUT/overlay
   el "overlay done"
+fi
+if [ -n "${PICK_TILE:-}" ] && [ -f $OUT/overlay.json ]; then  # the engine runs on the fastest measured tile
+  # (LINRNN_WGMMA_TILE) where one beats the default by >= 3 % at the largest size and is not slower (> 1 %) at any
+  export LINRNN_WGMMA_TILE=$(python3 - $OUT/overlay.json <<'PY'
+import json, re, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+us = lambda r, v: r["us"].get(v) if isinstance(r["us"].get(v), float) else None
+best, best_us = "", None
+big = max(rows, key=lambda r: r["B"])
+for v in rows[0]["us"]:
+    m = re.fullmatch(r"nvfp4/wgmma-n(\d+)-w(\d+)-u(\d+)-s(\d+)-x(\d+)", v)
+    if not m or any(us(r, v) is None or us(r, "nvfp4/wgmma") is None for r in rows):
+        continue
+    if us(big, v) <= 0.97 * us(big, "nvfp4/wgmma") and all(us(r, v) <= 1.01 * us(r, "nvfp4/wgmma") for r in rows):
+        if best_us is None or us(big, v) < best_us:
+            best, best_us = ",".join(m.groups()), us(big, v)
+print(best)
+PY
+)
+  echo "engine tile: ${LINRNN_WGMMA_TILE:-default}" | tee $OUT/picked_tile.txt
 fi
 if [ -n "${ENGINE_TESTS:-}" ]; then  # the engine's graphs-on == graphs-off greedy check, NVFP4 A3B shapes, B = 1 and 64
   timeout ${T_ENGINE_TESTS:-150} python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml=$OUT/test_engine_gpu.xml \

@@ -6,6 +6,7 @@ host, so the whole thing can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -156,7 +157,7 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     P = T * top_k
     if wgmma:
         return moe_experts_wgmma(x, topk_weights, topk_ids, w13.packed, w2.packed, out, alignment=alignment,
-                                 combine=combine)
+                                 combine=combine, **wgmma_tile())
     if configs is None and nvfp4_path is None and _mma_decode(x, P, E, w13, w2):
         return moe_experts_mma(x, topk_weights, topk_ids, w13.packed, w2.packed, out, alignment=alignment,
                                combine=combine)
@@ -204,6 +205,19 @@ def _wgmma_prefill(x: torch.Tensor, num_pairs: int, num_experts: int, w13: Weigh
 # partials are 537 MB written and read. H200, one 35B-A3B layer (prefill_wgmma/round2): bf16 vs f32 302 vs 307 us at
 # 512 tokens, 499 vs 509 at 2048, 841 vs 860 at 4096, 1530 vs 1558 at 8192
 WGMMA_BF16_PARTIALS = True
+
+
+def wgmma_tile() -> dict:
+    """moe_experts' wgmma tile options: nvfp4_wgmma's defaults ({}), or LINRNN_WGMMA_TILE="block_n,warps,units,
+    stages,sub_log" (an experiment knob: tools/gpu_moe_prefill.sh runs the engine on a measured candidate)."""
+    spec = os.environ.get("LINRNN_WGMMA_TILE", "")
+    if not spec:
+        return {}
+    try:
+        block_n, warps, units, stages, sub_log = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise ValueError(f"LINRNN_WGMMA_TILE={spec!r}: expected five integers block_n,warps,units,stages,sub_log") from None
+    return dict(block_n=block_n, warps=warps, units=units, stages=stages, sub_log=sub_log)
 
 
 def wgmma_block_n(num_pairs: int, num_experts: int) -> int:
