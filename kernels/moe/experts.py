@@ -40,6 +40,8 @@ DEQUANT_MIN_MEAN_PAIRS = 128
 # MMA kernel in one run (benchmarks/results/kernels/moe/prefill_wgmma/round2/, 96df7e1): 512 tokens (16 pairs per
 # expert) 303 vs 256 us, 1024 (32) 328 vs 422, 2048 501.7 vs 744, 4096 850 vs 1456, 8192 1531 vs 3049; linear
 # between 16 and 32 pairs the two cross at ~21 (round 1 had the MMA kernel at 326 us at 512 tokens: threshold 16).
+# Round 3 (the chunked alignment, the Triton permute; benchmarks/results/kernels/moe-prefill/round3/): the wgmma
+# layer 473.3 / 1386.0 us at 2048 / 8192 tokens (was 503.1 / 1527.1 in the same run); the crossover not re-measured.
 # (dequantize + bf16, round 1: 1561 / 1942 / 2999 us at 2048 / 4096 / 8192; bf16 weights: 691 / 1060 / 2127)
 WGMMA_MIN_MEAN_PAIRS = 21
 

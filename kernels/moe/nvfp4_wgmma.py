@@ -23,8 +23,10 @@ once per BLOCK_N = 64..256 tokens of one expert and runs it on `wgmma.mma_async`
 K order: lane t's code words hold the k = 16 t + 4 j + 2 cb + h of each 64 (the packed layout, chosen for the
 decode kernel's register B operand), but a wgmma register fragment means k = 2t, 2t + 1, 2t + 8, 2t + 9 of
 each 16, and shared-memory B is read in natural k order. So the activations are stored k-permuted within
-every 64 k (`permute_k`): the gate_up input is permuted once per call, and the gate_up epilogue writes its
-output h already in that order for the down GEMM.
+every 64 k (`permute_k`, one Triton copy on the GPU): the gate_up input is permuted once per call, and the gate_up
+epilogue writes its output h already in that order for the down GEMM.
+Adaptive width (`sub_log`, off by default: measured slower): expert blocks of 64 << sub_log slots, each run as one
+tile of wgmma N = 64 x its valid sub-blocks (rounded up to a power of two); one compiled tile per width.
 Epilogues: gate_up (gate and up rows interleaved per 16-row tile, so one thread holds both) writes
 SiLU(gate) * up in bf16; down multiplies by the row scale and routing weight and writes per-pair partials
 [pairs, H] (bf16 by default, experts.WGMMA_BF16_PARTIALS, or f32) that grouped_gemm.sum_reduce adds in f32 per
@@ -62,8 +64,11 @@ DEFAULT_BLOCK_N = 64
 DEFAULT_STAGES = 4
 DEFAULT_WARPS = 8
 DEFAULT_UNITS = 2
-# Adaptive width (experiment, round 3): expert blocks of 64 << SUB_LOG slots, each run as one tile whose wgmma N covers
-# its valid 64-slot sub-blocks, so a decoded weight tile serves up to 256 tokens without padding waste beyond 64
+# Adaptive width (sub_log): expert blocks of 64 << sub_log slots, each run as one tile whose wgmma N covers its valid
+# 64-slot sub-blocks, so a decoded weight tile serves up to 128 / 256 tokens with 64-granular padding. Bit-identical
+# to the 64 tile, but slower at every measured size (H200, benchmarks/results/kernels/moe-prefill/round3/: 2048 /
+# 8192 tokens 473 / 1386 us default vs 542 / 1471 at sub_log 1 w8 u1 s4, 745-792 / 1629-1664 at sub_log 2): the
+# kernel takes the widest branch's registers (126-255 vs 105), fewer CTAs per SM overlap decode with MMAs. Off.
 DEFAULT_SUB_LOG = 0
 # K loop schedules: "rs" decode -> wgmma on the register operand -> wait (only other CTAs on the SM overlap a CTA's
 # decode with MMAs); "ss" the decoded tile stored to shared memory (double-buffered) and both wgmma operands read
