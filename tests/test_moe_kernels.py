@@ -134,6 +134,7 @@ def test_align_skewed_routing():
     (300, 256, 8, 64, 64, True),      # 38 chunks of 64 pairs, most experts unused
     (250, 48, 3, 8, 32, False),       # E not a power of two, small blocks
     (700, 64, 8, 256, None, True),    # the wgmma kernel's widest blocks (64 << 2 slots)
+    (420, 512, 10, 64, None, False),  # Qwen3-Next's 512 experts, top-10 (a [chunks, 512] scan tile)
 ])
 def test_align_chunked_matches_naive(monkeypatch, T, E, k, block_m, chunk_min, skew):
     """The chunked alignment (count -> scan -> place, from align.CHUNKED_MIN_PAIRS pairs) gives the naive
