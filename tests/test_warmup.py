@@ -54,13 +54,14 @@ def test_warmup_leaves_nothing_behind(model_dir, monkeypatch, caching):
 
 def test_warmup_takes_every_prefix_path(model_dir, monkeypatch):
     """The warm-up's own requests hit: a restore, a copy-on-write divergence and a full hit; it runs a step of
-    many prompts at the full token budget, and one that fills the budget (64) beside a decode row (the eager
+    many prompts at the full token budget, one of as many restored rows, and one that fills the budget (64) beside a decode row (the eager
     path past the prefill graphs)."""
     from linrnn_serve.engine import warmup
 
     monkeypatch.setenv("LINRNN_WARMUP", "0")
     eng = engine(model_dir, monkeypatch, False, True)
-    seen = {"restore": 0, "cow": 0, "cached": 0, "full budget, 4 prompts": 0, "full budget beside a decode": 0}
+    seen = {"restore": 0, "cow": 0, "cached": 0, "full budget, 4 prompts": 0, "full budget beside a decode": 0,
+            "4 restored rows": 0}
     sched = eng.scheduler.schedule
 
     def spy(*a, **k):
@@ -71,6 +72,8 @@ def test_warmup_takes_every_prefix_path(model_dir, monkeypatch):
         # the many-prompt step at the full token budget (min(16, max_num_seqs) prompts)
         seen["full budget, 4 prompts"] += len(plan.prefill) == 4 and sum(len(r.token_ids) for r in plan.prefill) == 64
         seen["full budget beside a decode"] += bool(plan.decode) and plan.num_tokens == 64
+        # the many-row step of restored rows (a multi-turn burst): each continues a snapshot with its own tokens
+        seen["4 restored rows"] += len(plan.snapshot_restores) == 4 and len(plan.prefill) == 4
         return plan
 
     eng.scheduler.schedule = spy
