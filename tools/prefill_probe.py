@@ -5,8 +5,12 @@ prefill step. Prints short tables; `--json` writes them.
 
     python3 tools/prefill_probe.py [--tokens 128,512] [--prompt-len 0] [--moe-paths] [--json out.json]
     python3 tools/prefill_probe.py --tokens 2048,8192 --prompt-len 128      # #14's c = 64 wave: 64 x 128
+    python3 tools/prefill_probe.py --shapes 64x128,16x129@3072              # + #16's prefix-cache burst
 
-A forward of T tokens is T / prompt_len fresh prompts (prompt_len 0: one prompt of T tokens).
+A forward of T tokens is T / prompt_len fresh prompts (prompt_len 0: one prompt of T tokens). `--shapes`
+lists forwards as NxL[@C]: N sequences of L new tokens each after C tokens already in the caches (a
+continuation: the GDN kernels start from the pooled state, attention reads C tokens of paged KV context;
+the cached KV / state hold whatever earlier forwards left, which does not change the kernels' time).
 Components are attributed by kernel name (COMPONENTS); each one's floor is max(FLOPs / bf16 dense peak,
 bytes / copy bandwidth measured in the same run), from the model's shapes (`floors`):
   dense GEMMs  every non-expert projection (GDN in/out, attention qkv/o, router, shared expert; lm_head on
@@ -58,8 +62,9 @@ def _med(fn, reps=10):
     return 1e3 * statistics.median(ts)
 
 
-def floors(model, T: int, nseq: int, bw: float, peak: float) -> dict:
-    """Per component (FLOPs, bytes, floor ms) for a prefill forward of T tokens in nseq equal prompts."""
+def floors(model, T: int, nseq: int, bw: float, peak: float, context: int = 0) -> dict:
+    """Per component (FLOPs, bytes, floor ms) for a prefill forward of T tokens in nseq equal prompts, each
+    after `context` cached tokens (attention: the context's K/V read and its FLOPs)."""
     cfg = model.cfg
     H, e = cfg.hidden_size, 2  # bf16 activations
     out = {}
@@ -93,11 +98,23 @@ def floors(model, T: int, nseq: int, bw: float, peak: float) -> dict:
     # attention: causal within each prompt
     n_att = len(cfg.attn_layers)
     L = T // nseq
-    att_fl = n_att * nseq * 2 * 2 * (L * (L + 1) / 2) * cfg.num_attention_heads * cfg.head_dim
-    att_by = n_att * T * (2 * cfg.num_attention_heads + 4 * cfg.num_key_value_heads) * cfg.head_dim * e
+    att_fl = n_att * nseq * 2 * 2 * (L * context + L * (L + 1) / 2) * cfg.num_attention_heads * cfg.head_dim
+    att_by = n_att * (T * (2 * cfg.num_attention_heads + 4 * cfg.num_key_value_heads)
+                      + nseq * context * 2 * cfg.num_key_value_heads) * cfg.head_dim * e
     put("attention", att_fl, att_by)
     # norms: two fused residual-add norms per layer (x, residual in; x, residual out) + the GDN gated norm
     put("norm", 0, cfg.num_hidden_layers * 2 * T * H * e * 4 + n_gdn * T * cfg.value_dim * e * 3)
+    return out
+
+
+def parse_shapes(spec: str) -> list[tuple[int, int, int]]:
+    """'64x128,16x129@3072' -> [(64, 128, 0), (16, 129, 3072)]: (sequences, new tokens each, cached context)."""
+    out = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"(\d+)x(\d+)(?:@(\d+))?", item.strip())
+        if not m:
+            raise SystemExit(f"--shapes item {item!r} is not NxL or NxL@C")
+        out.append((int(m[1]), int(m[2]), int(m[3] or 0)))
     return out
 
 
@@ -117,6 +134,8 @@ def main():
     ap.add_argument("--model", default="qwen35moe-nvfp4")
     ap.add_argument("--tokens", default="128,512", help="tokens per forward (comma list)")
     ap.add_argument("--prompt-len", type=int, default=0, help="tokens per prompt (0: one prompt per forward)")
+    ap.add_argument("--shapes", default=None,
+                    help="forwards as NxL[@C] (N sequences of L new tokens after C cached ones); replaces --tokens")
     ap.add_argument("--moe-paths", action="store_true", help="also time one MoE layer per expert path")
     ap.add_argument("--engine-step", action="store_true", help="also time whole engine prefill steps (128 tokens)")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay of the forward")
@@ -128,25 +147,28 @@ def main():
     from linrnn_serve.runner.inputs import SeqWork, build_forward_batch
     from linrnn_serve.sampling_params import SamplingParams
 
-    tokens = [int(t) for t in args.tokens.split(",")]
-    plen = args.prompt_len
-    nseq_max = max(t // plen if plen else 1 for t in tokens)
+    shapes = parse_shapes(args.shapes) if args.shapes else []
+    if not shapes:
+        for T in (int(t) for t in args.tokens.split(",")):
+            L = args.prompt_len or T
+            if T % L:
+                raise SystemExit(f"--tokens {T} is not a multiple of --prompt-len {L}")
+            shapes.append((T // L, L, 0))
+    nseq_max = max(n for n, _, _ in shapes)
     eng = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", device="cuda",
-                                 max_num_seqs=max(64, nseq_max), max_num_batched_tokens=max(2048, *tokens),
-                                 max_model_len=max(2048, plen or max(tokens)), enforce_eager=not args.engine_step),
+                                 max_num_seqs=max(64, nseq_max), max_num_batched_tokens=max(2048, *(n * L for n, L, _ in shapes)),
+                                 max_model_len=max(2048, *(L + c for _, L, c in shapes)),
+                                 enforce_eager=not args.engine_step),
                     progress=False)
     model, caches = eng.model, eng.caches
     dev = torch.cuda.get_device_name(0)
     bw = copy_bandwidth("cuda")
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in dev), 989e12)
-    out = {"device": dev, "copy_GBps": bw / 1e9, "peak_bf16_TFLOPs": peak / 1e12, "prompt_len": plen}
+    out = {"device": dev, "copy_GBps": bw / 1e9, "peak_bf16_TFLOPs": peak / 1e12}
     print(f"device {dev}, copy bandwidth {bw / 1e9:.0f} GB/s, bf16 peak {peak / 1e12:.0f} TFLOP/s")
-    for T in tokens:
-        L = plen or T
-        if T % L:
-            raise SystemExit(f"--tokens {T} is not a multiple of --prompt-len {L}")
-        nseq, nblk = T // L, -(-L // 16)
-        work = [SeqWork(list(range(1000 + s, 1000 + s + L)), 0, 1 + s, list(range(1 + s * nblk, 1 + (s + 1) * nblk)))
+    for nseq, L, ctx in shapes:
+        T, nblk = nseq * L, -(-(ctx + L) // 16)
+        work = [SeqWork(list(range(1000 + s, 1000 + s + L)), ctx, 1 + s, list(range(1 + s * nblk, 1 + (s + 1) * nblk)))
                 for s in range(nseq)]
         batch = build_forward_batch(work, 16, "cuda")
         fwd = lambda: model(batch, caches)  # noqa: E731
@@ -162,7 +184,7 @@ def main():
             kern, cpu = profile_forward(fwd)
             ktot = sum(e.self_device_time_total for e in kern) / 1e3
             nk = sum(e.count for e in kern)
-            row = {"T": T, "prompts": nseq, "wall_ms": wall, "host_launch_ms": host, "kernel_ms": ktot, "kernels": nk,
+            row = {"T": T, "prompts": nseq, "context": ctx, "wall_ms": wall, "host_launch_ms": host, "kernel_ms": ktot, "kernels": nk,
                    "tok_per_s": T / wall * 1e3}
             if not args.no_graph:
                 try:
@@ -184,9 +206,9 @@ def main():
             c = comp.setdefault(component(e.key), {"ms": 0.0, "calls": 0})
             c["ms"] += e.self_device_time_total / 1e3
             c["calls"] += e.count
-        fl = floors(model, T, nseq, bw, peak)
+        fl = floors(model, T, nseq, bw, peak, ctx)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
-        print(f"\n| T = {T} ({nseq} x {L}) component | calls | kernel ms | % | GFLOP | MB | floor ms | x floor |")
+        print(f"\n| T = {T} ({nseq} x {L}{f' @ {ctx}' if ctx else ''}) component | calls | kernel ms | % | GFLOP | MB | floor ms | x floor |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for name, c in sorted(comp.items(), key=lambda kv: -kv[1]["ms"]):
             f = fl.get(name)
@@ -209,7 +231,7 @@ def main():
             print(f"| {e.key[:64]} | {e.count} | {e.self_cpu_time_total / 1e3:.3f} |")
         if args.moe_paths:
             row["moe_layer_ms"] = moe_paths(model, T)
-        out[f"T{T}"] = row
+        out[f"{nseq}x{L}@{ctx}" if ctx else f"T{T}"] = row
         del batch
         torch.cuda.empty_cache()
     if args.engine_step:  # a whole engine prefill step (scheduler + runner + sampling), one 128-token prompt

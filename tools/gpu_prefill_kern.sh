@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Prefill kernels round 3 (H3), one H200 call; pass LINRNN_COMMIT=<sha>; timeout_s 240.
+# MODE=probe (the first call):
+#   A. tools/prefill_probe.py --shapes 64x128,16x129@3072: one prefill forward of #14's c = 64 wave (64 fresh
+#      128-token prompts) and of #16's prefix-cache burst (16 x 129-token continuations after 3072 cached
+#      tokens): wall / host / kernel ms, kernel ms per component against its floor, top kernels, graph replay
+#   B. tools/gdn_prefill_sweep.py: the GDN chunk kernels' launch configs (per-kernel us) at 64x128 / 16x129
+# Every stage has its own timeout; $OUT/report.md, JSON and logs beside it.
+. tools/device_env.sh >/dev/null
+OUT=${OUT:-/tmp/out}; W=$OUT; mkdir -p $W
+echo "commit ${LINRNN_COMMIT:-unknown}, $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader)" | tee $W/report.md
+probe() {  # $1 label, $2 timeout, then extra flags
+  local label=$1 t=$2; shift 2
+  timeout $t python3 tools/prefill_probe.py --shapes ${SHAPES:-64x128,16x129@3072} --json $W/probe_$label.json "$@" \
+    > $W/probe_$label.log 2>&1
+  echo "[$SECONDS s] probe $label: rc $?" | tee -a $W/report.md
+  grep -v "^\[" $W/probe_$label.log | grep -E "^\||^device|^\{" | cut -c1-200 >> $W/report.md
+}
+sweep() {
+  timeout $1 python3 tools/gdn_prefill_sweep.py --json $W/sweep.json > $W/sweep.log 2>&1
+  echo "[$SECONDS s] sweep: rc $?" | tee -a $W/report.md
+  grep -E "^\||vs naive" $W/sweep.log >> $W/report.md
+}
+if [ "${MODE:-probe}" = probe ]; then
+  probe main ${TA:-120}
+  sweep $(( ${BUDGET:-232} - SECONDS ))
+fi
+cat $W/report.md
