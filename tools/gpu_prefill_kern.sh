@@ -4,6 +4,7 @@
 #   A. tools/prefill_probe.py --shapes 64x128,16x129@3072: one prefill forward of #14's c = 64 wave (64 fresh
 #      128-token prompts) and of #16's prefix-cache burst (16 x 129-token continuations after 3072 cached
 #      tokens): wall / host / kernel ms, kernel ms per component against its floor, top kernels, graph replay
+#   (if present: tools/gdn_ablate.py, timing-only ablations of the wy / state kernels, from the .gpu overlay)
 #   B. tools/gdn_prefill_sweep.py: the GDN chunk kernels' launch configs (per-kernel us) at 64x128 / 16x129
 # Every stage has its own timeout; $OUT/report.md, JSON and logs beside it.
 . tools/device_env.sh >/dev/null
@@ -22,7 +23,11 @@ sweep() {
   grep -E "^\||vs naive" $W/sweep.log >> $W/report.md
 }
 if [ "${MODE:-probe}" = probe ]; then
-  probe main ${TA:-120}
+  probe main ${TA:-115}
+  if [ -f tools/gdn_ablate.py ]; then
+    timeout ${TB:-40} python3 tools/gdn_ablate.py > $W/ablate.log 2>&1; echo "[$SECONDS s] ablate: rc $?" | tee -a $W/report.md
+    grep "^|" $W/ablate.log >> $W/report.md
+  fi
   sweep $(( ${BUDGET:-232} - SECONDS ))
 fi
 cat $W/report.md
