@@ -184,6 +184,31 @@ def test_prefill_long_chunk_over_many_pages():
     check_prefill(b, torch.float32, SMALL_PREFILL)
 
 
+def gate_view(b):
+    """A fresh random output gate as the layer passes it: the strided second half of a [T, Hq, 2D] projection."""
+    T, hq, d = b["q"].shape
+    qg = torch.randn(T, hq, 2 * d, device=b["q"].device).to(b["q"].dtype)
+    return qg[..., d:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode", [False, True])
+def test_output_gate(dtype, decode):
+    """o * sigmoid(gate) from the prefill kernel's epilogue (and the decode path's torch fallback) vs the naive
+    reference with the gate, into a NaN-poisoned output; a gate of the wrong shape is refused."""
+    seqs = [(1, c) for c in (0, 15, 90)] if decode else MIXED
+    b = make_batch(seqs, **SMALL, dtype=dtype, pad_rows=0 if decode else 2)
+    write_new_tokens(b)
+    gate = gate_view(b)
+    ref = naive.paged_attention(*attn_args(b), gate=gate)
+    out = paged_attention(*attn_args(b), out=nan_out(b), gate=gate, prefill_config=SMALL_PREFILL if dtype ==
+                          torch.float32 else None)
+    assert rel_err(out, ref) <= TOL[dtype]
+    assert rel_err(out, naive.paged_attention(*attn_args(b))) > 0.1  # the gate did change the output
+    with pytest.raises(ValueError, match="gate must be"):
+        paged_attention(*attn_args(b), gate=gate[:, :, :-1])
+
+
 @pytest.mark.parametrize("batch", [1, 3, 17, 64])
 def test_decode(batch):
     # contexts 1..2000; batch 64 is kept shorter so the interpreter stays fast

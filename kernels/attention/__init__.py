@@ -16,8 +16,9 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     return naive.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale):
-    """Causal attention of each sequence's new queries q [T, Hq, D] over its paged context -> [T, Hq, D]."""
+def paged_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, gate=None):
+    """Causal attention of each sequence's new queries q [T, Hq, D] over its paged context -> [T, Hq, D]
+    (times sigmoid(gate) when an output gate [T, Hq, D] is given)."""
     if use_triton(q):
-        return _paged.paged_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale)
-    return naive.paged_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale)
+        return _paged.paged_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, gate=gate)
+    return naive.paged_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, gate=gate)

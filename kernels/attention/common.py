@@ -134,6 +134,16 @@ def check_paged_inputs(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables) 
         raise ValueError("block_tables must be contiguous along max_blocks")
 
 
+def check_gate(gate: torch.Tensor | None, q: torch.Tensor) -> None:
+    """The output gate, if any: [T, Hq, D] like q, on q's device, unit stride along head_dim (any row / head
+    strides: the gate half of the fused q projection is a strided view)."""
+    if gate is None:
+        return
+    if gate.shape != q.shape or gate.device != q.device or gate.stride(-1) != 1:
+        raise ValueError(f"gate must be {tuple(q.shape)} on {q.device} with unit stride along head_dim, got "
+                         f"{tuple(gate.shape)} on {gate.device} (strides {gate.stride()})")
+
+
 def output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """A fresh [T, Hq, D] tensor in q.dtype, or the caller's `out` after checking it fits."""
     if out is None:

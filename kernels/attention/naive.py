@@ -24,11 +24,11 @@ def gather_kv(cache, block_table, length):
     return cache[blocks, pos % bs]
 
 
-def paged_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale):
+def paged_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale, gate=None):
     """Causal attention of each sequence's new queries over its whole paged context.
 
     q [T, Hq, D]; sequence i's queries are its last q_len_i positions of seq_lens[i]. Softmax in f32.
-    Returns o [T, Hq, D] in q.dtype.
+    Returns o [T, Hq, D] in q.dtype; with gate [T, Hq, D], o * sigmoid(gate) (in f32, rounded once).
     """
     out = torch.empty_like(q)
     cu = cu_seqlens.tolist()
@@ -46,5 +46,6 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, sca
         kpos = torch.arange(L, device=q.device)[None, :]
         scores = scores.masked_fill(kpos > qpos, float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        out[s:e] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+        o = torch.einsum("hqk,khd->qhd", p, v)
+        out[s:e] = (o if gate is None else o * torch.sigmoid(gate[s:e].float())).to(q.dtype)
     return out

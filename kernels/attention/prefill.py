@@ -10,6 +10,10 @@ the leading part of that walk.
 Grid: (T // BLOCK_Q + B, kv_heads). Sequence i's tiles start at program cu_seqlens[i] // BLOCK_Q + i,
 an upper-bound layout that needs no prefix sum over tile counts; programs past a sequence's last
 tile exit at once. The grid depends only on shapes, so launching needs no host sync.
+
+`gate` (optional, [T, Hq, D], e.g. the strided gate half of the layer's fused q projection): the output is
+o * sigmoid(gate), applied to the f32 result before its one rounding (the attention layer's output gate,
+SPEC §1.7; without it the layer spent a strided copy, a sigmoid and a multiply per prefill).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import triton
 import triton.language as tl
 
 from linrnn_kernels.attention.common import (
-    LOG2E, LaunchConfig, attend_tiles, check_paged_inputs, default_prefill_config, dot_flags, next_pow2, output_like,
+    LOG2E, LaunchConfig, attend_tiles, check_gate, check_paged_inputs, default_prefill_config, dot_flags, next_pow2, output_like,
 )
 
 
@@ -37,12 +41,12 @@ def _find_seq(cu_seqlens, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache, v_cache, o_ptr, cu_seqlens, seq_lens, block_tables, qk_scale, num_seqs,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
+def _prefill_kernel(q_ptr, k_cache, v_cache, o_ptr, gate_ptr, cu_seqlens, seq_lens, block_tables, qk_scale, num_seqs,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_gt, stride_gh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_GATE: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(cu_seqlens, tile, num_seqs, BLOCK_Q)
@@ -83,19 +87,25 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, o_ptr, cu_seqlens, seq_lens, block_
                                  stride_kb, stride_ks, stride_vb, stride_vs, full_end, kv_end, kv_end, qk_scale,
                                  D, BS, BLOCK_N, 2, DOT_PRECISION, DOT_UPCAST)
     o = acc / l_i[:, None]
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + token[:, None] * stride_gt + head[:, None] * stride_gh + offs_d[None, :],
+                       mask=row_ok[:, None], other=0.0).to(tl.float32)
+        o = o / (1.0 + tl.exp(-gate))
     tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, scale,
-                      config: LaunchConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      config: LaunchConfig | None = None, out: torch.Tensor | None = None,
+                      gate: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries (q [T, Hq, D]) over its paged context.
 
     Sequence i's queries are tokens cu_seqlens[i]:cu_seqlens[i+1] at positions
     seq_lens[i] - q_len_i .. seq_lens[i] - 1; their K/V must already be in the pages (write_kv).
-    Returns o [T, Hq, D] in q.dtype.
+    Returns o [T, Hq, D] in q.dtype (times sigmoid(gate) when a gate is given).
     """
     check_paged_inputs(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables)
+    check_gate(gate, q)
     if q.stride(-1) != 1:
         q = q.contiguous()
     T, hq, d = q.shape
@@ -111,11 +121,12 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, s
     precision, upcast = dot_flags(q.dtype, k_cache.dtype)
     grid = (T // block_q + b, hkv)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, o, cu_seqlens, seq_lens, block_tables, scale * LOG2E, b,
+        q, k_cache, v_cache, o, o if gate is None else gate, cu_seqlens, seq_lens, block_tables, scale * LOG2E, b,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        *((0, 0) if gate is None else (gate.stride(0), gate.stride(1))),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         G=g, G_PAD=g_pad, D=d, BS=bs, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
-        DOT_PRECISION=precision, DOT_UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=precision, DOT_UPCAST=upcast, HAS_GATE=gate is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o

@@ -350,12 +350,16 @@ def chunk_table(cu_seqlens: torch.Tensor, T: int):
 
 def prefill_config(B: int, Hv: int, Dv: int, device, dot_bf16: bool, override: dict | None = None) -> dict:
     """Tile sizes / warps per kernel (register counts from ptxas for sm_90 at Qwen3.5 shapes: the
-    intra-chunk kernel needs 8 warps with f32 operands to avoid spills, 4 suffice with bf16). The state
-    pass is the sequential part: split Dv finer (32) when B x Hv x Dv/64 programs would leave SMs idle,
-    else 64 (fewer redundant W/K loads per program); 2 stages prefetch the next chunk's W/U/K."""
+    intra-chunk kernel needs 8 warps with f32 operands to avoid spills). With bf16 operands the intra-chunk
+    kernel runs on 2 warps: its 16-row substitutions and small-block products are reductions and layout
+    shuffles that cost less within fewer warps (H200, 64 x 128 tokens: 179 us per layer vs 282 with 4 warps,
+    540 with 8; benchmarks/results/prefill/round3), and the output pass takes the whole Dv = 128 in one tile
+    (142 vs 158 us). The state pass is the sequential part: split Dv finer (32) when B x Hv x Dv/64
+    programs would leave SMs idle, else 64 (fewer redundant W/K loads per program); 2 stages prefetch the
+    next chunk's W/U/K (1, 3 stages, 8 warps and 128-wide tiles all measured slower)."""
     sms = num_sms(device.index or 0) if device.type == "cuda" else 132
-    cfg = dict(state_bv=32 if B * Hv * (Dv // 64) < 2 * sms else 64, output_bv=64,
-               wy_warps=4 if dot_bf16 else 8, state_warps=4, state_stages=2, output_warps=4)
+    cfg = dict(state_bv=32 if B * Hv * (Dv // 64) < 2 * sms else 64, output_bv=128 if dot_bf16 else 64,
+               wy_warps=2 if dot_bf16 else 8, state_warps=4, state_stages=2, output_warps=4)
     unknown = set(override or {}) - set(cfg)
     if unknown:
         raise ValueError(f"unknown prefill config keys {sorted(unknown)} (known: {sorted(cfg)})")

@@ -48,12 +48,18 @@ class GatedAttention(nn.Module):
         q = norm_ops.qk_norm_rope_write_kv(q, k.reshape(T, self.hkv, self.d), v.reshape(T, self.hkv, self.d),
                                            self.q_norm, self.k_norm, batch.positions, self.inv_freq, self.eps,
                                            st.k_cache, st.v_cache, batch.slot_mapping)
+        # prefill: the output gate in the attention kernel's epilogue; decode: in the o_proj GEMV's prologue
+        gate_in_attention = not batch.is_decode
         o = attn_ops.paged_attention(q, st.k_cache, st.v_cache, batch.cu_seqlens, batch.seq_lens,
-                                     batch.block_tables, self.scale)
+                                     batch.block_tables, self.scale, gate=gate if gate_in_attention else None)
+        o = o.reshape(T, self.hq * self.d)
         w = self.o_proj.weight_tensor()
         if post is not None and w is not None:
-            return gemv_ops.fused_linear(o.reshape(T, self.hq * self.d), w, prologue_kind="sigmoid_gate", gate=gate,
-                                         head=self.d, **post.fused_options())
-        o = o.reshape(T, self.hq * self.d) * torch.sigmoid(gate.reshape(T, self.hq * self.d))
+            if gate_in_attention:
+                return gemv_ops.fused_linear(o, w, **post.fused_options())
+            return gemv_ops.fused_linear(o, w, prologue_kind="sigmoid_gate", gate=gate, head=self.d,
+                                         **post.fused_options())
+        if not gate_in_attention:
+            o = o * torch.sigmoid(gate.reshape(T, self.hq * self.d))
         h = self.o_proj(o)
         return h if post is None else post(h)
