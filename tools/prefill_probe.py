@@ -129,6 +129,88 @@ def profile_forward(fwd):
     return kern, cpu
 
 
+def shape_key(nseq: int, L: int, ctx: int) -> str:
+    return f"{nseq}x{L}@{ctx}" if ctx else f"T{nseq * L}"
+
+
+def probe_shape(model, caches, shape: tuple[int, int, int], bw: float, peak: float, graph: bool = True) -> dict:
+    """One prefill forward of `shape` (nseq, L, ctx): eager wall / host launch / kernel ms, kernel ms per
+    component with its floor, top kernels and host ops, and (graph) a CUDA-graph replay of it."""
+    from linrnn_serve.runner.inputs import SeqWork, build_forward_batch
+    nseq, L, ctx = shape
+    T, nblk = nseq * L, -(-(ctx + L) // 16)
+    work = [SeqWork(list(range(1000 + s, 1000 + s + L)), ctx, 1 + s, list(range(1 + s * nblk, 1 + (s + 1) * nblk)))
+            for s in range(nseq)]
+    batch = build_forward_batch(work, 16, "cuda")
+    fwd = lambda: model(batch, caches)  # noqa: E731
+    with torch.inference_mode():
+        for _ in range(3):
+            fwd()
+        wall = _med(fwd)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fwd()
+        host = 1e3 * (time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        kern, cpu = profile_forward(fwd)
+        ktot = sum(e.self_device_time_total for e in kern) / 1e3
+        nk = sum(e.count for e in kern)
+        row = {"T": T, "prompts": nseq, "prompt_len": L, "context": ctx, "wall_ms": wall, "host_launch_ms": host,
+               "kernel_ms": ktot, "kernels": nk, "tok_per_s": T / wall * 1e3}
+        if graph:
+            try:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    fwd()
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fwd()
+                row["graph_ms"] = _med(g.replay)
+                del g
+            except Exception as e:  # noqa: BLE001
+                row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+                torch.cuda.synchronize()
+    comp = {}
+    for e in kern:
+        c = comp.setdefault(component(e.key), {"ms": 0.0, "calls": 0})
+        c["ms"] += e.self_device_time_total / 1e3
+        c["calls"] += e.count
+    fl = floors(model, T, nseq, bw, peak, ctx)
+    for name, c in comp.items():
+        c.update(fl.get(name, {}))
+    row["components"] = comp
+    row["floor_ms"] = sum(f["floor_ms"] for f in fl.values())
+    row["top_kernels"] = [(e.key, e.count, e.self_device_time_total / 1e3) for e in kern[:40]]
+    row["host_ops"] = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in cpu[:12]]
+    return row
+
+
+def print_row(row: dict, top: int = 24) -> None:
+    """The tables of one probe_shape row: the summary line, components against floors, top kernels, host ops."""
+    T, nseq, L, ctx, ktot = row["T"], row["prompts"], row["prompt_len"], row["context"], row["kernel_ms"]
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                      if not isinstance(v, (dict, list))}))
+    print(f"\n| T = {T} ({nseq} x {L}{f' @ {ctx}' if ctx else ''}) component | calls | kernel ms | % | GFLOP | MB | "
+          "floor ms | x floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, c in sorted(row["components"].items(), key=lambda kv: -kv[1]["ms"]):
+        fcols = (f"{c['GFLOP']:.1f} | {c['MB']:.0f} | {c['floor_ms']:.3f} | {c['ms'] / max(c['floor_ms'], 1e-9):.1f}"
+                 if "floor_ms" in c else "- | - | - | -")
+        print(f"| {name} | {c['calls']} | {c['ms']:.3f} | {100 * c['ms'] / ktot:.1f} | {fcols} |")
+    print(f"| total | {row['kernels']} | {ktot:.3f} | 100 | | | {row['floor_ms']:.3f} | {ktot / row['floor_ms']:.1f} |")
+    if top:
+        print("\n| kernel | component | calls | ms | us/call |")
+        print("|---|---|---:|---:|---:|")
+        for key, n, ms in row["top_kernels"][:top]:
+            print(f"| {key[:64]} | {component(key)} | {n} | {ms:.3f} | {1e3 * ms / max(n, 1):.1f} |")
+        print("\n| host op | calls | self cpu ms |")
+        print("|---|---:|---:|")
+        for key, n, ms in row["host_ops"]:
+            print(f"| {key[:64]} | {n} | {ms:.3f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen35moe-nvfp4")
@@ -144,7 +226,6 @@ def main():
     from linrnn_bench.floor import copy_bandwidth
     from linrnn_serve.config import EngineConfig
     from linrnn_serve.engine.llm_engine import LLMEngine
-    from linrnn_serve.runner.inputs import SeqWork, build_forward_batch
     from linrnn_serve.sampling_params import SamplingParams
 
     shapes = parse_shapes(args.shapes) if args.shapes else []
@@ -167,72 +248,11 @@ def main():
     out = {"device": dev, "copy_GBps": bw / 1e9, "peak_bf16_TFLOPs": peak / 1e12}
     print(f"device {dev}, copy bandwidth {bw / 1e9:.0f} GB/s, bf16 peak {peak / 1e12:.0f} TFLOP/s")
     for nseq, L, ctx in shapes:
-        T, nblk = nseq * L, -(-(ctx + L) // 16)
-        work = [SeqWork(list(range(1000 + s, 1000 + s + L)), ctx, 1 + s, list(range(1 + s * nblk, 1 + (s + 1) * nblk)))
-                for s in range(nseq)]
-        batch = build_forward_batch(work, 16, "cuda")
-        fwd = lambda: model(batch, caches)  # noqa: E731
-        with torch.inference_mode():
-            for _ in range(3):
-                fwd()
-            wall = _med(fwd)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fwd()
-            host = 1e3 * (time.perf_counter() - t0)
-            torch.cuda.synchronize()
-            kern, cpu = profile_forward(fwd)
-            ktot = sum(e.self_device_time_total for e in kern) / 1e3
-            nk = sum(e.count for e in kern)
-            row = {"T": T, "prompts": nseq, "context": ctx, "wall_ms": wall, "host_launch_ms": host, "kernel_ms": ktot, "kernels": nk,
-                   "tok_per_s": T / wall * 1e3}
-            if not args.no_graph:
-                try:
-                    s = torch.cuda.Stream()
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
-                        fwd()
-                    torch.cuda.current_stream().wait_stream(s)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        fwd()
-                    row["graph_ms"] = _med(g.replay)
-                    del g
-                except Exception as e:  # noqa: BLE001
-                    row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
-                    torch.cuda.synchronize()
-        comp = {}
-        for e in kern:
-            c = comp.setdefault(component(e.key), {"ms": 0.0, "calls": 0})
-            c["ms"] += e.self_device_time_total / 1e3
-            c["calls"] += e.count
-        fl = floors(model, T, nseq, bw, peak, ctx)
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
-        print(f"\n| T = {T} ({nseq} x {L}{f' @ {ctx}' if ctx else ''}) component | calls | kernel ms | % | GFLOP | MB | floor ms | x floor |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for name, c in sorted(comp.items(), key=lambda kv: -kv[1]["ms"]):
-            f = fl.get(name)
-            fcols = (f"{f['GFLOP']:.1f} | {f['MB']:.0f} | {f['floor_ms']:.3f} | {c['ms'] / max(f['floor_ms'], 1e-9):.1f}"
-                     if f else "- | - | - | -")
-            print(f"| {name} | {c['calls']} | {c['ms']:.3f} | {100 * c['ms'] / ktot:.1f} | {fcols} |")
-            c.update(f or {})
-        row["components"] = comp
-        print(f"| total | {nk} | {ktot:.3f} | 100 | | | {sum(f['floor_ms'] for f in fl.values()):.3f} | "
-              f"{ktot / sum(f['floor_ms'] for f in fl.values()):.1f} |")
-        print("\n| kernel | component | calls | ms | us/call |")
-        print("|---|---|---:|---:|---:|")
-        for e in kern[:24]:
-            print(f"| {e.key[:64]} | {component(e.key)} | {e.count} | {e.self_device_time_total / 1e3:.3f} | "
-                  f"{e.self_device_time_total / max(e.count, 1):.1f} |")
-        row["top_kernels"] = [(e.key, e.count, e.self_device_time_total / 1e3) for e in kern[:40]]
-        print("\n| host op | calls | self cpu ms |")
-        print("|---|---:|---:|")
-        for e in cpu[:12]:
-            print(f"| {e.key[:64]} | {e.count} | {e.self_cpu_time_total / 1e3:.3f} |")
+        row = probe_shape(model, caches, (nseq, L, ctx), bw, peak, graph=not args.no_graph)
+        print_row(row, top=24)
         if args.moe_paths:
-            row["moe_layer_ms"] = moe_paths(model, T)
-        out[f"{nseq}x{L}@{ctx}" if ctx else f"T{T}"] = row
-        del batch
+            row["moe_layer_ms"] = moe_paths(model, row["T"])
+        out[shape_key(nseq, L, ctx)] = row
         torch.cuda.empty_cache()
     if args.engine_step:  # a whole engine prefill step (scheduler + runner + sampling), one 128-token prompt
         p = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
