@@ -33,6 +33,9 @@ class ForwardBatch:
     max_seq_len: int
     # token rows whose logits are wanted (default: last token of each sequence)
     logits_indices: torch.Tensor | None = None
+    # the GDN layers' varlen bookkeeping (linrnn_kernels.gdn.VarlenPlan), built once per prefill forward by the
+    # model on its own copy of the batch (GatedDeltaNet.with_plan): never stale under CUDA-graph capture
+    gdn_plan: object | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -416,7 +416,7 @@ def test_prefill_rejects_bad_inputs():
                               loc, idx, precision="fp8")
 
 
-def run_conv(lens, dtype, device, C=200, K=4, decode=False):
+def run_conv(lens, dtype, device, C=200, K=4, decode=False, with_plan=False, config=None):
     B = len(lens)
     slots = B + 3
     idx = (torch.randperm(slots - 1)[:B] + 1).to(torch.int32).to(device)
@@ -432,7 +432,8 @@ def run_conv(lens, dtype, device, C=200, K=4, decode=False):
     else:
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
         y_ref = naive.conv1d_varlen(x, w, ref_state, cu, idx)
-        y = conv_k.conv1d_varlen(x, w, state, cu, idx)
+        sot = prefill_k.varlen_plan(cu, T).seq_of_token if with_plan else None
+        y = conv_k.conv1d_varlen(x, w, state, cu, idx, seq_of_token=sot, config=config)
     tol = TOL_F32 if dtype == torch.float32 else TOL_BF16
     assert y.dtype == dtype and y.shape == x.shape
     assert (rel_max if dtype == torch.float32 else rel_fro)(y, y_ref) <= tol
@@ -446,6 +447,50 @@ def run_conv(lens, dtype, device, C=200, K=4, decode=False):
 def test_conv_varlen_matches_reference(poison_empty, dtype):
     """Sequences shorter than K-1 (state rows shift through), long ones spanning token tiles, an empty one."""
     run_conv([1, 2, 5, 70, 0, 3], dtype, KERNEL_DEVICE)
+
+
+def test_conv_varlen_plan_and_tiles(poison_empty):
+    """The token -> sequence map from the forward's varlen plan, and other tile shapes (the sweep's)."""
+    run_conv([1, 2, 5, 70, 0, 3], torch.bfloat16, KERNEL_DEVICE, with_plan=True)
+    run_conv([1, 2, 5, 70, 0, 3], torch.float32, KERNEL_DEVICE, config={"bt": 16, "bc": 64, "warps": 2})
+    with pytest.raises(ValueError, match="unknown conv config"):
+        run_conv([3], torch.float32, KERNEL_DEVICE, config={"block": 8})
+
+
+def test_varlen_plan_matches_python():
+    lens = [1, 63, 0, 64, 65, 130]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    T, B = sum(lens), len(lens)
+    plan = prefill_k.varlen_plan(cu, T)
+    chunks = [(i, cu[i].item() + 64 * c) for i, n in enumerate(lens) for c in range(-(-n // 64))]
+    N = T // 64 + B
+    assert plan.num_chunk_slots == N and len(chunks) <= N
+    assert plan.chunk_seq.tolist() == [c[0] for c in chunks] + [-1] * (N - len(chunks))
+    assert plan.chunk_t0[: len(chunks)].tolist() == [c[1] for c in chunks]
+    assert plan.chunk_offsets.tolist() == [sum(-(-n // 64) for n in lens[:i]) for i in range(B)]
+    assert plan.seq_of_token.tolist() == [i for i, n in enumerate(lens) for _ in range(n)]
+    assert all(t.dtype == torch.int32 for t in (plan.chunk_seq, plan.chunk_t0, plan.chunk_offsets, plan.seq_of_token))
+
+
+def test_prefill_with_plan_is_identical(poison_empty):
+    """A caller's plan gives the same bytes as the plan built inside; a plan of another batch is refused."""
+    Hk, Hv, Dk, Dv = SMALL["Hk"], SMALL["Hv"], SMALL["Dk"], SMALL["Dv"]
+    lens = [1, 63, 0, 65]
+    B, T = len(lens), sum(lens)
+    idx = torch.arange(1, B + 1, dtype=torch.int32, device=KERNEL_DEVICE)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=KERNEL_DEVICE)
+    q, k, v, a, b, A_log, dt_bias = make_inputs(T, Hk, Hv, Dk, Dv, torch.float32, KERNEL_DEVICE)
+    f32, bf, isb, loc = make_pools(Hv, Dk, Dv, B + 1, head_map(Hv, "0.5"), idx.tolist(), KERNEL_DEVICE)
+    outs = []
+    for plan in (None, prefill_k.varlen_plan(cu, T)):
+        fs, bs = f32.clone(), bf.clone()
+        o = prefill_k.gdn_prefill(q, k, v, a, b, A_log, dt_bias, cu, fs, bs, isb, loc, idx, plan=plan)
+        outs.append((o, fs, bs.float()))
+    for x, y in zip(*outs):
+        assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
+    with pytest.raises(ValueError, match="varlen plan does not match"):
+        prefill_k.gdn_prefill(q, k, v, a, b, A_log, dt_bias, cu, f32, bf, isb, loc, idx,
+                              plan=prefill_k.varlen_plan(cu[:-1], T - lens[-1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

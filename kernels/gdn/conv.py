@@ -134,10 +134,18 @@ def conv1d_decode(x, weight, conv_state, state_indices):
     return y
 
 
-def conv1d_varlen(x, weight, conv_state, cu_seqlens, state_indices):
+CONV_VARLEN_CONFIG = dict(bt=32, bc=128, warps=4)  # tokens x channels per program of the varlen conv
+
+
+def conv1d_varlen(x, weight, conv_state, cu_seqlens, state_indices, seq_of_token=None, config: dict | None = None):
     """Flattened varlen batch x [T, C] with cu_seqlens [B+1] -> y [T, C]; conv_state updated per sequence.
 
-    No host syncs: the token -> sequence map is computed on the device."""
+    No host syncs: the token -> sequence map (seq_of_token [T] int32, prefill.varlen_plan's, or computed here
+    when not given) is computed on the device. `config` overrides CONV_VARLEN_CONFIG's keys (benchmarks)."""
+    cfg = dict(CONV_VARLEN_CONFIG)
+    if set(config or {}) - set(cfg):
+        raise ValueError(f"unknown conv config keys {sorted(set(config) - set(cfg))} (known: {sorted(cfg)})")
+    cfg.update(config or {})
     B = cu_seqlens.shape[0] - 1
     x, C, K = _check(x, weight, conv_state, B, state_indices)
     T = x.shape[0]
@@ -146,12 +154,15 @@ def conv1d_varlen(x, weight, conv_state, cu_seqlens, state_indices):
         return y
     BC = 128
     if T:
-        seq_of_token = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=x.device, dtype=cu_seqlens.dtype),
-                                          right=True).to(torch.int32)
-        BT = 32
-        _conv1d_varlen_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+        if seq_of_token is None:
+            seq_of_token = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=x.device, dtype=cu_seqlens.dtype),
+                                              right=True).to(torch.int32)
+        elif seq_of_token.shape != (T,) or seq_of_token.dtype != torch.int32:
+            raise ValueError(f"seq_of_token must be int32 [{T}], got {seq_of_token.dtype} {tuple(seq_of_token.shape)}")
+        BT, BCV = cfg["bt"], cfg["bc"]
+        _conv1d_varlen_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BCV))](
             x, weight, conv_state, cu_seqlens, seq_of_token, state_indices, y,
-            x.stride(0), conv_state.stride(0), T, C, K=K, BT=BT, BC=BC, num_warps=4)
+            x.stride(0), conv_state.stride(0), T, C, K=K, BT=BT, BC=BCV, num_warps=cfg["warps"])
     _conv_state_update_kernel[(B, triton.cdiv(C, BC))](
         x, conv_state, cu_seqlens, state_indices, x.stride(0), conv_state.stride(0), C,
         K=K, KP=triton.next_power_of_2(K - 1), BC=BC, num_warps=2)

@@ -31,11 +31,13 @@ Precision modes (`precision`, or LINRNN_GDN_PREFILL_PRECISION):
   "ieee"   exact f32 (default for f32 activations): a correctness mode; its FMA matmuls spill on sm_90.
   "tf32x3" near-f32 on tensor cores; also spills at these tiles (kept for experiments).
 
-No host syncs: the chunk table is built on the device with an upper bound T/64 + B on the chunk count.
+No host syncs: the chunk table (VarlenPlan) is built on the device with an upper bound T/64 + B on the chunk
+count, once per forward by the model and shared by every layer.
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -327,25 +329,47 @@ def _chunk_output_kernel(
 # ---- launcher -----------------------------------------------------------------------------------------------
 
 
-def chunk_table(cu_seqlens: torch.Tensor, T: int):
-    """Device-side chunk bookkeeping without host syncs.
+class VarlenPlan(NamedTuple):
+    """Device-side bookkeeping of a flattened varlen batch, shared by every GDN layer of a forward (the
+    model builds it once: layers/gdn.py) instead of ~20 small launches per layer.
 
-    Returns (chunk_offsets [B] first global chunk of each sequence, chunk_seq [N] sequence of global
-    chunk p or -1 past the real count, chunk_t0 [N] its first token) with N = T // BT + B >= the real
-    number of chunks (each sequence adds at most one partial chunk)."""
+    chunk_offsets [B] first global chunk of each sequence; chunk_seq [N] the sequence of global chunk p, or
+    -1 past the real count; chunk_t0 [N] its first token; N = T // BT + B >= the real number of chunks (each
+    sequence adds at most one partial chunk); seq_of_token [T] each token's sequence (conv.py)."""
+    chunk_offsets: torch.Tensor
+    chunk_seq: torch.Tensor
+    chunk_t0: torch.Tensor
+    num_chunk_slots: int
+    seq_of_token: torch.Tensor
+
+
+def varlen_plan(cu_seqlens: torch.Tensor, T: int) -> VarlenPlan:
+    """The plan of a batch of T tokens with cu_seqlens [B+1], without host syncs."""
     B = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.to(torch.int64)
     n_chunks = (cu[1:] - cu[:-1] + BT - 1) // BT
     ends = torch.cumsum(n_chunks, 0)
     offsets = ends - n_chunks
     N = T // BT + B
-    p = torch.arange(N, device=cu.device)
-    seq = torch.searchsorted(ends, p, right=True)
+    p = torch.arange(max(N, T), device=cu.device)
+    seq = torch.searchsorted(ends, p[:N], right=True)
     valid = seq < B
-    seq_c = seq.clamp(max=B - 1)
-    t0 = cu[seq_c] + (p - offsets[seq_c]) * BT
+    seq_c = seq.clamp(max=max(B - 1, 0))
+    t0 = cu[seq_c] + (p[:N] - offsets[seq_c]) * BT
     chunk_seq = torch.where(valid, seq_c, -1).to(torch.int32)
-    return offsets.to(torch.int32), chunk_seq, t0.to(torch.int32), N
+    seq_of_token = torch.searchsorted(cu[1:], p[:T], right=True).to(torch.int32)
+    return VarlenPlan(offsets.to(torch.int32), chunk_seq, t0.to(torch.int32), N, seq_of_token)
+
+
+def check_plan(plan: VarlenPlan | None, cu_seqlens: torch.Tensor, T: int) -> VarlenPlan:
+    """The caller's plan after a shape check (its values are the caller's promise), or a fresh one."""
+    if plan is None:
+        return varlen_plan(cu_seqlens, T)
+    B = cu_seqlens.shape[0] - 1
+    if (plan.chunk_offsets.shape != (B,) or plan.num_chunk_slots != T // BT + B or plan.seq_of_token.shape != (T,)
+            or plan.chunk_seq.shape != (plan.num_chunk_slots,)):
+        raise ValueError(f"varlen plan does not match this batch (B={B}, T={T}): build it with varlen_plan")
+    return plan
 
 
 def prefill_config(B: int, Hv: int, Dv: int, device, dot_bf16: bool, override: dict | None = None) -> dict:
@@ -381,12 +405,14 @@ def resolve_precision(dtype: torch.dtype, precision: str | None) -> str:
 
 
 def gdn_prefill(q, k, v, a, b, A_log, dt_bias, cu_seqlens, ssm_f32, ssm_bf16, head_is_bf16, head_local,
-                state_indices, chunk_size: int = 64, precision: str | None = None, config: dict | None = None):
+                state_indices, chunk_size: int = 64, precision: str | None = None, config: dict | None = None,
+                plan: VarlenPlan | None = None):
     """Varlen chunked prefill: q, k [T, Hk, Dk] raw, v [T, Hv, Dv], a, b [T, Hv], cu_seqlens [B+1] int32.
 
     Starts from each sequence's pooled state (zeroed by the allocator for new requests), writes the final
     states back into each head's partition, returns o [T, Hv, Dv] in v.dtype. q/k/v/a/b may be strided
-    views with a unit-stride last dim. `config` overrides prefill_config's tiles / warps (benchmarks)."""
+    views with a unit-stride last dim. `config` overrides prefill_config's tiles / warps (benchmarks);
+    `plan`: the batch's varlen_plan when the caller already has it."""
     if chunk_size != BT:
         raise ValueError(f"the Triton prefill kernels use chunk_size {BT}, got {chunk_size}")
     T, Hk, Hv, Dk, Dv = check_qkv(q, k, v, a, b, A_log, dt_bias)
@@ -406,7 +432,7 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, cu_seqlens, ssm_f32, ssm_bf16, he
     solve_prec = "ieee" if INTERPRET else ("tf32" if dot_bf16 else precision)
     scratch_dtype = torch.bfloat16 if dot_bf16 else torch.float32
     cfg = prefill_config(B, Hv, Dv, q.device, dot_bf16, config)
-    offsets, chunk_seq, chunk_t0, N = chunk_table(cu_seqlens, T)
+    offsets, chunk_seq, chunk_t0, N, _ = check_plan(plan, cu_seqlens, T)
     dev = q.device
     gc = torch.empty(T, Hv, dtype=torch.float32, device=dev)
     w = torch.empty(T, Hv, Dk, dtype=scratch_dtype, device=dev)

@@ -5,6 +5,8 @@ qkv [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)], z (Hv*Dv), b (Hv), a (Hv): one GEMM whe
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -38,6 +40,14 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype), requires_grad=False)
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, dtype, fmt("linear_attn.out_proj"))
 
+    @staticmethod
+    def with_plan(batch: ForwardBatch) -> ForwardBatch:
+        """A prefill batch's copy carrying its varlen plan (chunk table, token -> sequence map), built once for
+        all GDN layers of the forward; decode batches need none."""
+        if batch.is_decode or batch.gdn_plan is not None:
+            return batch
+        return dataclasses.replace(batch, gdn_plan=gdn_ops.varlen_plan(batch.cu_seqlens, batch.num_tokens))
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, st: GDNLayerState, post: PostNorm | None = None):
         """Mixer output [T, H]; with `post`, (post-normed output, new residual), the gated norm, out_proj,
         residual add and post norm fused into one kernel where the skinny GEMM takes the shape."""
@@ -55,7 +65,7 @@ class GatedDeltaNet(nn.Module):
                 qkv = gdn_ops.conv1d_decode(qkv, self.conv1d_weight, st.conv, batch.state_indices)
             else:
                 qkv = gdn_ops.conv1d_varlen(qkv, self.conv1d_weight, st.conv, batch.cu_seqlens,
-                                            batch.state_indices)
+                                            batch.state_indices, plan=batch.gdn_plan)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.hk, self.dk)
         k = k.reshape(T, self.hk, self.dk)
@@ -65,7 +75,7 @@ class GatedDeltaNet(nn.Module):
             o = gdn_ops.gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, *pools, batch.state_indices)
         else:
             o = gdn_ops.gdn_prefill(q, k, v, a, b, self.A_log, self.dt_bias, batch.cu_seqlens, *pools,
-                                    batch.state_indices)
+                                    batch.state_indices, plan=batch.gdn_plan)
         w = self.out_proj.weight_tensor()
         if post is not None and w is not None:
             return gemv_ops.fused_linear(o.reshape(T, self.value_dim), w, prologue_kind="gated_norm", gate=z,

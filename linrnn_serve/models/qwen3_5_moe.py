@@ -109,6 +109,8 @@ class HybridMoEForCausalLM(nn.Module):
 
     def hidden_states(self, batch: ForwardBatch, caches) -> torch.Tensor:
         """Final-normed hidden states [T, H]."""
+        if self.gdn_index:
+            batch = GatedDeltaNet.with_plan(batch)
         x, residual = self.layers[0].input_layernorm(self.embed(batch.input_ids), None)
         for i, layer in enumerate(self.layers):
             st = caches.gdn_layer(self.gdn_index[i]) if layer.is_gdn else caches.attn_layer(self.attn_index[i])
