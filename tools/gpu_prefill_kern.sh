@@ -6,6 +6,12 @@
 #      tokens): wall / host / kernel ms, kernel ms per component against its floor, top kernels, graph replay
 #   (if present: tools/gdn_ablate.py, timing-only ablations of the wy / state kernels, from the .gpu overlay)
 #   B. tools/gdn_prefill_sweep.py: the GDN chunk kernels' launch configs (per-kernel us) at 64x128 / 16x129
+# MODE=ab (the second call; BEFORE=DIR: main's copies of the files this round changed, at their paths):
+#   A. the GPU tests of the kernels this round touched (GDN prefill configs / fused output / bf16 shapes, conv,
+#      attention)
+#   B. tools/prefill_ab.py --before $BEFORE: probe per component and bench batched's S_PP row (npl 64, 128;
+#      PP 128) before / after, alternating on one engine
+#   C. tools/prefill_kernel_sweep.py: GDN / conv / attention launch configs
 # Every stage has its own timeout; $OUT/report.md, JSON and logs beside it.
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}; W=$OUT; mkdir -p $W
@@ -18,9 +24,9 @@ probe() {  # $1 label, $2 timeout, then extra flags
   grep -v "^\[" $W/probe_$label.log | grep -E "^\||^device|^\{" | cut -c1-200 >> $W/report.md
 }
 sweep() {
-  timeout $1 python3 tools/gdn_prefill_sweep.py --json $W/sweep.json > $W/sweep.log 2>&1
+  timeout $1 python3 tools/prefill_kernel_sweep.py --json $W/sweep.json > $W/sweep.log 2>&1
   echo "[$SECONDS s] sweep: rc $?" | tee -a $W/report.md
-  grep -E "^\||vs naive" $W/sweep.log >> $W/report.md
+  grep -E "^\||vs naive|Error" $W/sweep.log >> $W/report.md
 }
 if [ "${MODE:-probe}" = probe ]; then
   probe main ${TA:-115}
@@ -28,6 +34,17 @@ if [ "${MODE:-probe}" = probe ]; then
     timeout ${TB:-40} python3 tools/gdn_ablate.py > $W/ablate.log 2>&1; echo "[$SECONDS s] ablate: rc $?" | tee -a $W/report.md
     grep "^|" $W/ablate.log >> $W/report.md
   fi
+  sweep $(( ${BUDGET:-232} - SECONDS ))
+fi
+if [ "${MODE:-probe}" = ab ]; then
+  timeout ${TA:-65} python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/test_gdn_kernels.py tests/test_attention_kernels.py \
+    -k "gpu_prefill_fused or gpu_prefill_configs or gpu_prefill_output_tile or gpu_conv or attention" \
+    > $W/tests.log 2>&1
+  echo "[$SECONDS s] GPU tests: rc $?" | tee -a $W/report.md
+  grep -E "passed|failed|FAILED|Error" $W/tests.log | tail -15 >> $W/report.md
+  timeout ${TB:-105} python3 tools/prefill_ab.py --before ${BEFORE:?} --json $W/ab.json > $W/ab.log 2>&1
+  echo "[$SECONDS s] A/B: rc $?" | tee -a $W/report.md
+  grep -E "^\||^device|^round" $W/ab.log >> $W/report.md
   sweep $(( ${BUDGET:-232} - SECONDS ))
 fi
 cat $W/report.md
