@@ -379,23 +379,6 @@ def test_prefill_matches_reference_varlen(poison_empty, kind):
     run_prefill(SMALL, [1, 63, 0, 64, 65, 130], kind, torch.float32, KERNEL_DEVICE)
 
 
-@pytest.mark.parametrize("kind,dtype,precision", [("0.5", torch.float32, None), ("bf16", torch.bfloat16, "bf16"),
-                                                  ("f32", torch.bfloat16, "tf32")])
-def test_prefill_fused_output_matches_reference(poison_empty, kind, dtype, precision):
-    """The state pass computing the outputs itself (fuse_output: no H / V' scratch, no output launch), Dv in one
-    tile and in two, vs the naive reference; the 3-pass path's bytes are not required, its tolerance is."""
-    for state_bv in (32, 16):
-        run_prefill(SMALL, [1, 63, 0, 64, 65, 130], kind, dtype, KERNEL_DEVICE, precision=precision,
-                    config={"fuse_output": True, "state_bv": state_bv})
-
-
-def test_prefill_config_fuses_output_for_many_sequences():
-    many = prefill_k.prefill_config(64, 32, 128, torch.device("cpu"), True)
-    few = prefill_k.prefill_config(4, 32, 128, torch.device("cpu"), True)
-    assert many["fuse_output"] and not few["fuse_output"]
-    assert not prefill_k.prefill_config(64, 32, 128, torch.device("cpu"), True, {"fuse_output": False})["fuse_output"]
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="output tiles < 64 are refused on CUDA (prefill_config)")
 def test_prefill_dv_tiling_and_single_sequence(poison_empty):
     run_prefill(SMALL, [130], "0.5", torch.float32, KERNEL_DEVICE, config={"state_bv": 16, "output_bv": 16})
@@ -555,22 +538,9 @@ def test_gpu_prefill_full_shapes_bf16(poison_empty, precision, lens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [{"state_bv": 32}, {"state_bv": 64}, {"output_bv": 64}, {"wy_warps": 4},
-                                    {"wy_warps": 8, "output_warps": 8}, {"state_stages": 3},
-                                    {"fuse_output": True}, {"fuse_output": True, "state_bv": 128, "state_warps": 8}])
+                                    {"wy_warps": 8, "output_warps": 8}, {"state_stages": 3}])
 def test_gpu_prefill_configs(poison_empty, config):
     run_prefill(FULL, [1, 130, 64], "0.5", torch.bfloat16, "cuda", config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "tf32", "ieee"])
-def test_gpu_prefill_fused_output(poison_empty, precision):
-    """The fused state + output pass at Qwen3.5 shapes in each matmul mode, and the default choice for a c = 64
-    prefill wave (64 x 128-token prompts: fused) against the naive reference."""
-    dtype = torch.float32 if precision == "ieee" else torch.bfloat16
-    run_prefill(FULL, [1, 130, 64, 0, 200], "0.5", dtype, "cuda", precision=precision, config={"fuse_output": True})
-    if precision == "bf16":
-        assert prefill_k.prefill_config(64, 32, 128, torch.device("cuda"), True)["fuse_output"]
-        run_prefill(FULL, [128] * 64, "f32", dtype, "cuda")
 
 
 @pytest.mark.gpu

@@ -23,17 +23,15 @@ import sys
 
 import torch
 
-# (label, prefill_config overrides): one kernel's knobs at a time (both sweep shapes fuse the output pass by default)
+# (label, prefill_config overrides): one kernel's knobs at a time
 GDN_SWEEP = [
     ("default", {}),
-    ("3-pass (unfused)", {"fuse_output": False}),
-    ("fused", {"fuse_output": True}),
-    ("fused, state bv128 w8", {"fuse_output": True, "state_bv": 128, "state_warps": 8}),
-    ("fused, state w8", {"fuse_output": True, "state_warps": 8}),
-    ("fused, state stages3", {"fuse_output": True, "state_stages": 3}),
     ("wy_warps=1", {"wy_warps": 1}),
     ("wy_warps=4", {"wy_warps": 4}),
-    ("3-pass, output bv64", {"fuse_output": False, "output_bv": 64}),
+    ("state bv32", {"state_bv": 32}),
+    ("state bv128 w8", {"state_bv": 128, "state_warps": 8}),
+    ("output bv64", {"output_bv": 64}),
+    ("output bv128 w8", {"output_bv": 128, "output_warps": 8}),
 ]
 # conv: (bt tokens, bc channels, warps)
 CONV_SWEEP = [(32, 128, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8), (16, 256, 4), (32, 256, 4), (128, 64, 4),

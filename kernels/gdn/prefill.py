@@ -21,8 +21,6 @@ Three launches (same split as flash-linear-attention, our own kernels):
      ([Dk, Dv] scratch) and V', writes the final state back into the head's partition. This is the only
      sequential part, kept to two matmuls per chunk.
   3. _chunk_output_kernel (chunk x value head x Dv tile, parallel): O from H_c and V'.
-     For many short sequences (prefill_config's fuse_output) pass 2 computes O itself from the state and V'
-     it holds, and pass 3 and the H / V' scratch go away.
 
 Precision modes (`precision`, or LINRNN_GDN_PREFILL_PRECISION):
   "bf16"   matmul operands and the W/U/V'/H scratch in bf16, f32 accumulation (what fla does; the running
@@ -240,29 +238,13 @@ def _chunk_wy_kernel(
 
 
 @triton.jit
-def _chunk_out(q, b_k, k_scale, b_gc, b_h, b_vn, t, m_t, i_hk, stride_q_tok, stride_q_head, scale,
-               DK: tl.constexpr, BT: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
-    """O = diag(exp(gc)) Qn H + (Qn Kn^T * D)_causal V' of one chunk (rows t, masked by m_t) from raw q, k:
-    Qn = |q|^-1 * scale q as a row scale, Kn^T's |k|^-1 (k_scale) as a column scale."""
-    o_t = tl.arange(0, BT)
-    b_q = tl.load(q + t[:, None] * stride_q_tok + i_hk * stride_q_head + tl.arange(0, DK)[None, :],
-                  mask=m_t[:, None], other=0.0)
-    q_scale = _rnorm(b_q) * scale
-    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    decay = tl.where(causal, tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
-    attn = _mm(b_q, tl.trans(b_k), DOT_BF16, PREC) * (q_scale[:, None] * k_scale[None, :]) * decay
-    return _mm(b_q, b_h, DOT_BF16, PREC) * (q_scale * tl.exp(b_gc))[:, None] + _mm(attn, b_vn, DOT_BF16, PREC)
-
-
-@triton.jit
 def _chunk_state_kernel(
-    q, k, w, u, gc, cu_seqlens, chunk_offsets, state_indices,
+    k, w, u, gc, cu_seqlens, chunk_offsets, state_indices,
     ssm_f32, ssm_bf16, head_is_bf16, head_local,
-    h_out, vnew_out, o,
-    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_f32_slot, stride_bf16_slot, scale,
+    h_out, vnew_out,
+    stride_k_tok, stride_k_head, stride_f32_slot, stride_bf16_slot,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr, BF16_BLOCK: tl.constexpr,
-    FUSE_OUTPUT: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
     pid = tl.program_id(0)
@@ -288,25 +270,18 @@ def _chunk_state_kernel(
     for c in range(tl.cdiv(eos - bos, BT)):
         t = bos + c * BT + o_t
         m_t = t < eos
-        if not FUSE_OUTPUT:
-            tl.store(h_out + ((first_chunk + c) * HV + i_h) * (DK * DV) + offs, s.to(h_out.dtype.element_ty))
+        tl.store(h_out + ((first_chunk + c) * HV + i_h) * (DK * DV) + offs, s.to(h_out.dtype.element_ty))
         b_w = tl.load(w + (t * HV + i_h)[:, None] * DK + o_k[None, :], mask=m_t[:, None], other=0.0)
         b_u = tl.load(u + (t * HV + i_h)[:, None] * DV + o_v[None, :], mask=m_t[:, None], other=0.0)
         v_new = b_u.to(tl.float32) - _mm(b_w, s, DOT_BF16, PREC)
-        if not FUSE_OUTPUT:
-            tl.store(vnew_out + (t * HV + i_h)[:, None] * DV + o_v[None, :], v_new.to(vnew_out.dtype.element_ty),
-                     mask=m_t[:, None])
+        tl.store(vnew_out + (t * HV + i_h)[:, None] * DV + o_v[None, :], v_new.to(vnew_out.dtype.element_ty),
+                 mask=m_t[:, None])
         b_gc = tl.load(gc + t * HV + i_h, mask=m_t, other=0.0)
         g_last = tl.load(gc + (tl.minimum(bos + c * BT + BT, eos) - 1) * HV + i_h)
         b_k = tl.load(k + t[:, None] * stride_k_tok + i_hk * stride_k_head + o_k[None, :], mask=m_t[:, None],
                       other=0.0)
-        k_scale = _rnorm(b_k)
-        if FUSE_OUTPUT:  # this chunk's outputs from its start state S and V' (what _chunk_output_kernel does)
-            b_o = _chunk_out(q, b_k, k_scale, b_gc, s, v_new, t, m_t, i_hk, stride_q_tok, stride_q_head, scale,
-                             DK, BT, DOT_BF16, PREC)
-            tl.store(o + (t * HV + i_h)[:, None] * DV + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
         # S <- exp(g_last) S + Kn^T diag(exp(g_last - gc)) V', the row scaling applied to V' (raw keys)
-        row_scale = tl.where(m_t, k_scale * tl.exp(g_last - b_gc), 0.0)
+        row_scale = tl.where(m_t, _rnorm(b_k) * tl.exp(g_last - b_gc), 0.0)
         s = s * tl.exp(g_last) + _mm(tl.trans(b_k), v_new * row_scale[:, None], DOT_BF16, PREC)
 
     store_state(ssm_f32, ssm_bf16, is_bf16, base, i_v, s, BV, DK, DV, BF16_BLOCK, "", "")
@@ -337,12 +312,17 @@ def _chunk_output_kernel(
     o_t = tl.arange(0, BT)
     t = t0 + o_t
     m_t = t < eos
+    b_q = tl.load(q + t[:, None] * stride_q_tok + i_hk * stride_q_head + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + t[:, None] * stride_k_tok + i_hk * stride_k_head + o_k[None, :], mask=m_t[:, None], other=0.0)
+    q_scale = _rnorm(b_q) * scale
     b_gc = tl.load(gc + t * HV + i_h, mask=m_t, other=0.0)
+    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    decay = tl.where(causal, tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+    # (Qn Kn^T * D) from raw q, k: row scale |q|^-1 * scale, column scale |k|^-1
+    attn = _mm(b_q, tl.trans(b_k), DOT_BF16, PREC) * (q_scale[:, None] * _rnorm(b_k)[None, :]) * decay
     b_h = tl.load(h + (i_c.to(tl.int64) * HV + i_h) * (DK * DV) + o_k[:, None] * DV + o_v[None, :])
     b_vn = tl.load(v_new + (t * HV + i_h)[:, None] * DV + o_v[None, :], mask=m_t[:, None], other=0.0)
-    b_o = _chunk_out(q, b_k, _rnorm(b_k), b_gc, b_h, b_vn, t, m_t, i_hk, stride_q_tok, stride_q_head, scale,
-                     DK, BT, DOT_BF16, PREC)
+    b_o = _mm(b_q, b_h, DOT_BF16, PREC) * (q_scale * tl.exp(b_gc))[:, None] + _mm(attn, b_vn, DOT_BF16, PREC)
     tl.store(o + (t * HV + i_h)[:, None] * DV + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
 
 
@@ -400,27 +380,19 @@ def prefill_config(B: int, Hv: int, Dv: int, device, dot_bf16: bool, override: d
     540 with 8; benchmarks/results/prefill/round3), and the output pass takes the whole Dv = 128 in one tile
     (142 vs 158 us). The state pass is the sequential part: split Dv finer (32) when B x Hv x Dv/64
     programs would leave SMs idle, else 64 (fewer redundant W/K loads per program); 2 stages prefetch the
-    next chunk's W/U/K (1, 3 stages, 8 warps and 128-wide tiles all measured slower).
-
-    fuse_output: the state pass also computes each chunk's outputs from the state and V' it holds (no H / V'
-    scratch round trip, one launch fewer), at the cost of the output work moving into the sequential loop
-    and QK^T being computed once per Dv tile: chosen when the state pass alone has >= 4 programs per SM
-    (many short sequences: a c = 64 prefill wave), not for a few long ones."""
+    next chunk's W/U/K (1, 3 stages, 8 warps and 128-wide tiles all measured slower)."""
     sms = num_sms(device.index or 0) if device.type == "cuda" else 132
     cfg = dict(state_bv=32 if B * Hv * (Dv // 64) < 2 * sms else 64, output_bv=128 if dot_bf16 else 64,
-               wy_warps=2 if dot_bf16 else 8, state_warps=4, state_stages=2, output_warps=4, fuse_output=None)
+               wy_warps=2 if dot_bf16 else 8, state_warps=4, state_stages=2, output_warps=4)
     unknown = set(override or {}) - set(cfg)
     if unknown:
         raise ValueError(f"unknown prefill config keys {sorted(unknown)} (known: {sorted(cfg)})")
     cfg.update(override or {})
     cfg["state_bv"], cfg["output_bv"] = min(cfg["state_bv"], Dv), min(cfg["output_bv"], Dv)
-    if cfg["fuse_output"] is None:
-        cfg["fuse_output"] = B * Hv * (Dv // cfg["state_bv"]) >= 4 * sms and cfg["state_bv"] >= min(64, Dv)
-    out_tile = cfg["state_bv"] if cfg["fuse_output"] else cfg["output_bv"]
-    if device.type == "cuda" and out_tile < min(64, Dv):
+    if device.type == "cuda" and cfg["output_bv"] < min(64, Dv):
         # Compiled for sm_90 (H200, triton 3.6) output tiles of 32 at Dv=128 gave wrong results (rel. error
         # 2.2) while the interpreter is exact: likely the narrow chained tensor-core product; not diagnosed.
-        raise ValueError(f"prefill output tiles narrower than 64 are not supported on CUDA (got {out_tile})")
+        raise ValueError(f"prefill output tiles narrower than 64 are not supported on CUDA (got {cfg['output_bv']})")
     return cfg
 
 
@@ -465,10 +437,8 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, cu_seqlens, ssm_f32, ssm_bf16, he
     gc = torch.empty(T, Hv, dtype=torch.float32, device=dev)
     w = torch.empty(T, Hv, Dk, dtype=scratch_dtype, device=dev)
     u = torch.empty(T, Hv, Dv, dtype=scratch_dtype, device=dev)
-    fuse = bool(cfg["fuse_output"])
-    # the fused state pass writes o itself: no H / V' scratch (their pointer arguments are then unused)
-    v_new = u if fuse else torch.empty(T, Hv, Dv, dtype=scratch_dtype, device=dev)
-    h = u if fuse else torch.empty(N, Hv, Dk, Dv, dtype=scratch_dtype, device=dev)
+    v_new = torch.empty(T, Hv, Dv, dtype=scratch_dtype, device=dev)
+    h = torch.empty(N, Hv, Dk, Dv, dtype=scratch_dtype, device=dev)
     common = dict(HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, DOT_BF16=dot_bf16, PREC=prec)
     if T:
         _chunk_wy_kernel[(N, Hv)](
@@ -476,11 +446,11 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, cu_seqlens, ssm_f32, ssm_bf16, he
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             SUB=BC, SOLVE_PREC=solve_prec, num_warps=cfg["wy_warps"], **common)
     _chunk_state_kernel[(B * Hv * (Dv // cfg["state_bv"]),)](
-        q, k, w, u, gc, cu_seqlens, offsets, state_indices, ssm_f32, ssm_bf16, head_is_bf16, head_local, h, v_new, o,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), ssm_f32.stride(0), ssm_bf16.stride(0), Dk ** -0.5,
-        BV=cfg["state_bv"], BT=BT, BF16_BLOCK=bf16_block(Dv), FUSE_OUTPUT=fuse, num_warps=cfg["state_warps"],
+        k, w, u, gc, cu_seqlens, offsets, state_indices, ssm_f32, ssm_bf16, head_is_bf16, head_local, h, v_new,
+        k.stride(0), k.stride(1), ssm_f32.stride(0), ssm_bf16.stride(0),
+        BV=cfg["state_bv"], BT=BT, BF16_BLOCK=bf16_block(Dv), num_warps=cfg["state_warps"],
         num_stages=cfg["state_stages"], **common)
-    if T and not fuse:
+    if T:
         _chunk_output_kernel[(N, Hv * (Dv // cfg["output_bv"]))](
             q, k, gc, h, v_new, cu_seqlens, chunk_seq, chunk_t0, o,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), Dk ** -0.5,
