@@ -8,7 +8,8 @@ into the live classes); "after" restores the live code. Per side and repetition:
   probe  tools/prefill_probe.probe_shape for each --shapes item (kernel ms per component against its floor)
   S_PP   bench batched's own row (linrnn_bench.batched.measure) for each --npl: npl prompts of --npp tokens
          added at once, T_PP until all have their first token, S_PP = npl * npp / T_PP (and S_TG over --ntg)
-The first round of both sides is a warm-up (compilation); the tables give the median of --reps rounds.
+The first round of both sides is a warm-up (compilation); the tables give the median of the rounds so far,
+printed after each round.
 
     python3 tools/prefill_ab.py --before DIR [--shapes 64x128,16x129@3072] [--npl 64,128] [--json out.json]
 """
@@ -122,10 +123,11 @@ def main():
                 + [f"npl {n} T_PP {v['T_PP']:.4f} s" for n, v in r["batched"].items()]), flush=True)
             if rnd:
                 res["rounds"].append(r)
-    report(res, shapes, npls)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        if rnd:  # after every round, so a run cut short by its time limit still leaves its tables
+            report(res, shapes, npls)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1, default=str)
 
 
 def report(res, shapes, npls):

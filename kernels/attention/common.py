@@ -39,11 +39,13 @@ class LaunchConfig:
 def default_prefill_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     if dtype.itemsize >= 4:  # f32 (tests): IEEE dot runs on FMA units, keep tiles and smem small
         return LaunchConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
-    # head_dim 256: the 64 x 256 f32 accumulator alone is 128 registers per thread in one warpgroup.
-    # 64 x 32 keys, 3 stages: 252 regs, no spills, 96 KB smem (2 programs per SM); 64 x 64 keys
-    # spills (255 regs + stack) and needs 160 KB smem.
+    # head_dim 256: the 64 x 256 f32 accumulator alone is 128 registers per thread in one warpgroup
+    # (64 x 64 keys on 4 warps spills). 128 rows (16 tokens x 8 GQA heads) x 64 keys on 8 warps, 2 stages:
+    # each K/V tile serves twice the queries, so a short chunk over a long paged context reads its K/V half as
+    # often (H200, 16 x 129-token continuations after 3072 cached tokens: 393 vs 492 us per layer for 64 x 32
+    # on 4 warps, 3 stages; 64 x 128 fresh prompts: 153 vs 154 us; benchmarks/results/prefill/round3).
     if head_dim >= 256:
-        return LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)
+        return LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
     return LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
