@@ -6,7 +6,8 @@
 #      tokens): wall / host / kernel ms, kernel ms per component against its floor, top kernels, graph replay
 #   (if present: tools/gdn_ablate.py, timing-only ablations of the wy / state kernels, from the .gpu overlay)
 #   B. tools/gdn_prefill_sweep.py: the GDN chunk kernels' launch configs (per-kernel us) at 64x128 / 16x129
-# MODE=ab (the second call; BEFORE=DIR: main's copies of the files this round changed, at their paths):
+# MODE=ab (the second call; BEFORE=DIR: main's copies of the files this round changed, at their paths, as
+#   tools/prefill_ab_before.sh makes them; STAGES picks stages, default "tests ab sweep"):
 #   A. the GPU tests of the kernels this round touched (GDN prefill configs / fused output / bf16 shapes, conv,
 #      attention)
 #   B. tools/prefill_ab.py --before $BEFORE: probe per component and bench batched's S_PP row (npl 64, 128;
@@ -36,15 +37,20 @@ if [ "${MODE:-probe}" = probe ]; then
   fi
   sweep $(( ${BUDGET:-232} - SECONDS ))
 fi
-if [ "${MODE:-probe}" = ab ]; then
+STAGES=${STAGES:-tests ab sweep}
+if [ "${MODE:-probe}" = ab ] && [[ $STAGES == *tests* ]]; then
   timeout ${TA:-65} python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/test_gdn_kernels.py tests/test_attention_kernels.py \
-    -k "gpu_prefill_fused or gpu_prefill_configs or gpu_prefill_output_tile or gpu_conv or attention" \
+    -k "gpu_prefill_configs or gpu_prefill_output_tile or gpu_conv or attention" \
     > $W/tests.log 2>&1
   echo "[$SECONDS s] GPU tests: rc $?" | tee -a $W/report.md
   grep -E "passed|failed|FAILED|Error" $W/tests.log | tail -15 >> $W/report.md
+fi
+if [ "${MODE:-probe}" = ab ] && [[ $STAGES == *ab* ]]; then
   timeout ${TB:-105} python3 tools/prefill_ab.py --before ${BEFORE:?} --json $W/ab.json > $W/ab.log 2>&1
   echo "[$SECONDS s] A/B: rc $?" | tee -a $W/report.md
   grep -E "^\||^device|^round" $W/ab.log >> $W/report.md
+fi
+if [ "${MODE:-probe}" = ab ] && [[ $STAGES == *sweep* ]]; then
   sweep $(( ${BUDGET:-232} - SECONDS ))
 fi
 cat $W/report.md
