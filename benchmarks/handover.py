@@ -282,34 +282,29 @@ def breakdown(bench: dict, core: list[list], server: dict, written: dict[str, fl
     return {"turns": turns, "turns_2_plus": later}
 
 
-def run_main(a) -> int:
-    os.makedirs(a.out, exist_ok=True)
-    trace = os.path.join(a.out, f"trace_{a.label}")
+def run_traced(out: str, label: str, pace: str, server_flags: list[str], client_argv) -> tuple[str, dict]:
+    """Start the paced, traced server (`linrnn_bench.handover server`, the default model) with `server_flags`
+    (a leading "--" dropped), run the client command `client_argv(url)` against it, keep the server's trace beside
+    the core's (as tools/gpu_prefix.sh keeps it) and stop the server. Returns the trace directory and the server's
+    trace. Shared by this module's and benchmarks/wave.py's `run`."""
+    trace = os.path.join(out, f"trace_{label}")
     subprocess.run(["rm", "-rf", trace])
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, PACE_ENV: f"{a.decode_ms},{a.prefill_tokens_per_ms}"}
-    extra = a.server_args[1:] if a.server_args[:1] == ["--"] else a.server_args
-    log = open(os.path.join(a.out, f"server_{a.label}.log"), "w")
+    flags = server_flags[1:] if server_flags[:1] == ["--"] else server_flags
+    log = open(os.path.join(out, f"server_{label}.log"), "w")
     srv = subprocess.Popen([sys.executable, "-m", "linrnn_bench.handover", "server", trace, "--model", "default",
-                            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "64",
-                            "--enable-prefix-caching", "--max-model-len", "8192", "--num-prefix-snapshots", "256",
-                            "--async-scheduling", *extra],
-                           env=env, stdout=log, stderr=subprocess.STDOUT)
-    bench_json = os.path.join(a.out, f"multi_turn_{a.label}.json")
+                            "--host", "127.0.0.1", "--port", str(port), *flags],
+                           env={**os.environ, PACE_ENV: pace}, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_health(url, srv)
-        client_lag = os.path.join(a.out, f"client_lag_{a.label}.json")
-        r = subprocess.run([sys.executable, "-m", "linrnn_bench.handover", "client", client_lag, "--base-url", url, "--workload",
-                            "multi-turn", "--num-users", str(a.users), "--num-turns", str(a.turns), "--system-len",
-                            str(a.system_len), "--user-len", str(a.user_len), "--output-len", str(a.output_len),
-                            "--out", bench_json], capture_output=True, text=True, timeout=900)
+        r = subprocess.run(client_argv(url), capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
             print(r.stdout[-3000:], r.stderr[-3000:], file=sys.stderr)
         import httpx
 
         server = httpx.get(url + "/probe/trace", timeout=60).json()
-        with open(os.path.join(trace, "server.json"), "w") as f:  # as tools/gpu_prefix.sh keeps it
+        with open(os.path.join(trace, "server.json"), "w") as f:
             json.dump(server, f)
     finally:
         srv.send_signal(signal.SIGINT)
@@ -318,6 +313,28 @@ def run_main(a) -> int:
         except subprocess.TimeoutExpired:
             srv.kill()
         log.close()
+    return trace, server
+
+
+def run_stamp() -> dict:
+    """The commit and date a run's record carries."""
+    return {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def run_main(a) -> int:
+    os.makedirs(a.out, exist_ok=True)
+    bench_json = os.path.join(a.out, f"multi_turn_{a.label}.json")
+    client_lag = os.path.join(a.out, f"client_lag_{a.label}.json")
+    trace, server = run_traced(
+        a.out, a.label, f"{a.decode_ms},{a.prefill_tokens_per_ms}",
+        ["--max-num-seqs", "64", "--enable-prefix-caching", "--max-model-len", "8192", "--num-prefix-snapshots", "256",
+         "--async-scheduling", *a.server_args],
+        lambda url: [sys.executable, "-m", "linrnn_bench.handover", "client", client_lag, "--base-url", url,
+                     "--workload", "multi-turn", "--num-users", str(a.users), "--num-turns", str(a.turns),
+                     "--system-len", str(a.system_len), "--user-len", str(a.user_len), "--output-len",
+                     str(a.output_len), "--out", bench_json])
     with open(bench_json) as f:
         bench = json.load(f)
     with open(client_lag) as f:
@@ -327,9 +344,8 @@ def run_main(a) -> int:
     b.update(label=a.label, args={k: v for k, v in vars(a).items() if k != "func"},
              ttft_p50_turns_2_plus_ms=run["ttft_ms_turns_2_plus"]["median"], output_throughput=run["output_throughput"],
              failed=run["failed"], server_loop_lag_ms=lag_stats(server.get("loop_lag", [])),
-             client_loop_lag_ms=lag_stats(client["loop_lag"]), client_connections=client["connections"], hit_rate=run["hit_rate"], load_avg_1m=os.getloadavg()[0],
-             commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+             client_loop_lag_ms=lag_stats(client["loop_lag"]), client_connections=client["connections"],
+             hit_rate=run["hit_rate"], load_avg_1m=os.getloadavg()[0], **run_stamp())
     with open(os.path.join(a.out, f"handover_{a.label}.json"), "w") as f:
         json.dump(b, f, indent=1)
     md = format_runs([b])

@@ -28,12 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
-from linrnn_bench.handover import PACE_ENV, _free_port, _wait_health, load_core, med
+from linrnn_bench.handover import load_core, med, run_stamp, run_traced
 
 
 def waves(core: list[list], concurrency: int, output_len: int, gap_s: float = 0.3) -> list[dict]:
@@ -96,40 +93,15 @@ def summary(ws: list[dict], concurrency: int) -> dict:
 
 def run_main(a) -> int:
     os.makedirs(a.out, exist_ok=True)
-    trace = os.path.join(a.out, f"trace_{a.label}")
-    subprocess.run(["rm", "-rf", trace])
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, PACE_ENV: f"{a.decode_ms},{a.prefill_tokens_per_ms},{a.prefill_fixed_ms}"}
-    extra = a.server_args[1:] if a.server_args[:1] == ["--"] else a.server_args
-    log = open(os.path.join(a.out, f"server_{a.label}.log"), "w")
-    srv = subprocess.Popen([sys.executable, "-m", "linrnn_bench.handover", "server", trace, "--model", "default",
-                            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(a.concurrency),
-                            "--max-model-len", str(a.input_len + a.output_len + 64), "--max-num-batched-tokens",
-                            "8192", "--async-scheduling", "--disable-log-requests", *extra],
-                           env=env, stdout=log, stderr=subprocess.STDOUT)
     bench_json = os.path.join(a.out, f"serve_{a.label}.json")
-    try:
-        _wait_health(url, srv)
-        client_gc = os.path.join(a.out, f"client_gc_{a.label}.json")
-        r = subprocess.run([sys.executable, "-m", "linrnn_bench.wave", "client", client_gc, "--base-url", url,
-                            "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--max-concurrency",
-                            str(a.concurrency), "--num-prompts", str(a.num_prompts), "--out", bench_json],
-                           capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            print(r.stdout[-3000:], r.stderr[-3000:], file=sys.stderr)
-        import httpx
-
-        server = httpx.get(url + "/probe/trace", timeout=60).json()
-        with open(os.path.join(trace, "server.json"), "w") as f:
-            json.dump(server, f)
-    finally:
-        srv.send_signal(signal.SIGINT)
-        try:
-            srv.wait(30)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-        log.close()
+    client_gc = os.path.join(a.out, f"client_gc_{a.label}.json")
+    trace, server = run_traced(
+        a.out, a.label, f"{a.decode_ms},{a.prefill_tokens_per_ms},{a.prefill_fixed_ms}",
+        ["--max-num-seqs", str(a.concurrency), "--max-model-len", str(a.input_len + a.output_len + 64),
+         "--max-num-batched-tokens", "8192", "--async-scheduling", "--disable-log-requests", *a.server_args],
+        lambda url: [sys.executable, "-m", "linrnn_bench.wave", "client", client_gc, "--base-url", url,
+                     "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--max-concurrency",
+                     str(a.concurrency), "--num-prompts", str(a.num_prompts), "--out", bench_json])
     with open(bench_json) as f:
         run = json.load(f)["runs"][0]
     core = load_core(trace)
@@ -145,9 +117,7 @@ def run_main(a) -> int:
            "paced_decode_tok_s": paced, "ratio": run["output_throughput"] / paced,
            "ttft_median_ms": run["ttft_ms"]["median"], "failed": run["failed"],
            "args": {k: v for k, v in vars(a).items() if k != "func"}, "load_avg_1m": os.getloadavg()[0],
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip(),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+           **run_stamp()}
     with open(os.path.join(a.out, f"wave_{a.label}.json"), "w") as f:
         json.dump(res, f, indent=1)
     md = format_runs([res]) + "\n\n" + format_waves(ws)
