@@ -12,8 +12,9 @@
 #                               # default (fused) kernels vs the unfused ones at tau = inf, and tau = 16 vs the unfused
 #   bash tools/gpu_final.sh AH  # A without the grammar stage, then H
 #   bash tools/gpu_final.sh AKH # ~7 min: A without the grammar stage, then K, then H
-#   bash tools/gpu_final.sh W   # ~7 min: #14's serving lines (gpu_wave_round.sh: bench batched npl 1 / 64 and one
-#                               # default server at c = 1, 64, 64) and #16's benefit pair (gpu_ttft.sh: on / off)
+#   bash tools/gpu_final.sh W   # ~5 min: #14's serving lines (gpu_wave_round.sh: bench batched npl 1 / 64 and one
+#                               # default server at c = 1, 64, 64); WT=1 adds #16's benefit pair (gpu_ttft.sh: on / off)
+#   bash tools/gpu_final.sh AK  # ~8 min: A without the grammar stage, then K
 #   bash tools/gpu_final.sh H   # ~1 min: the CPU host-overhead benchmark (stubbed forward, no GPU) on this
 #                               # machine's 16 cores, where the core, the API server and 128 clients each get one
 # Results under $OUT (tarballs + short tables).
@@ -107,9 +108,13 @@ case "${1:-A}" in
   A) part_a ;;
   B) part_b ;;
   H) part_h ;;
-  W) OUT=$R/wave SERVE_FLAGS="" BUDGET=${WAVE_BUDGET:-230} bash tools/gpu_wave_round.sh; el "wave done"
-     OUT=$R/ttft BUDGET=${TTFT_BUDGET:-200} bash tools/gpu_ttft.sh > $R/ttft.log 2>&1; el "ttft done"
-     tail -40 $R/ttft/ttft_report.md; rm -f $R/ttft/ttft.tgz; tar czf $OUT/final_w.tgz -C /tmp final ;;
+  W) OUT=$R/wave SERVE_FLAGS="" TA=${TA:-160} BUDGET=${WAVE_BUDGET:-330} bash tools/gpu_wave_round.sh; el "wave done"
+     if [ -n "${WT-}" ]; then
+       OUT=$R/ttft BUDGET=${TTFT_BUDGET:-200} bash tools/gpu_ttft.sh > $R/ttft.log 2>&1; el "ttft done"
+       tail -40 $R/ttft/ttft_report.md
+     fi
+     tar czf $OUT/final_w.tgz -C /tmp final ;;
+  AK) SKIP_SO=1 part_a; part_k; rm -f $OUT/final_a.tgz $OUT/final_k.tgz; tar czf $OUT/final_ak.tgz -C /tmp final ;;
   K) part_k ;;
   AH) SKIP_SO=1 part_a; part_h; rm -f $OUT/final_a.tgz $OUT/final_h.tgz; tar czf $OUT/final_ah.tgz -C /tmp final ;;
   AKH) SKIP_SO=1 part_a; part_k; part_h; rm -f $OUT/final_a.tgz $OUT/final_k.tgz $OUT/final_h.tgz
