@@ -325,7 +325,8 @@ def test_mma_matches_naive_qwen_shapes(nan_buffers, B):
 
 @pytest.mark.gpu
 def test_mma_per_expert_loads(nan_buffers):
-    """Experts with 0 / 1 / 7 / 8 / 9 / 15 / 16 / 17 tokens (block edges of the 8-token tile)."""
+    """Experts with 0 / 1 / 7 / 8 / 9 / 15 / 16 / 17 tokens (block edges of the 8-token tile; with 16-token blocks
+    the adaptive tile runs the <= 8-token blocks (1, 7, 8, the tail of 17) on the 8-token path, the rest on the 16)."""
     E, H, I = 16, 512, 256
     w13, w2 = _weights(E, H, I, "cuda", seed=1)
     loads = [0, 1, 7, 8, 9, 15, 16, 17] * 2
@@ -335,17 +336,23 @@ def test_mma_per_expert_loads(nan_buffers):
     topw = torch.rand(ids.shape[0], 1, device="cuda").bfloat16()
     _check(x, topw, ids, w13, w2)
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for tokens, groups, prefetch in ((8, (1, 1), False), (16, (1, 1), False), (8, (2, 4), False), (8, (1, 1), True)):
+    for tokens, groups, prefetch, adaptive in ((8, (1, 1), False, False), (16, (1, 1), False, True),
+                                               (16, (1, 1), True, False), (8, (2, 4), False, False),
+                                               (8, (1, 1), True, False)):
         for splits in ((1, 1), (2, 2), (4, 2)):  # every split-K path
             outs = []
             for fused in (True, False):  # gate_up's partials reduced by its last split / by a separate launch
                 y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=tokens,
-                                            groups=groups, prefetch=prefetch, fused_reduce=fused)
+                                            groups=groups, prefetch=prefetch, fused_reduce=fused, adaptive=adaptive)
                 assert not y.isnan().any()
                 err = float((y.double() - ref.double()).norm() / ref.double().norm())
                 assert err <= 1e-2, (tokens, groups, splits, fused, err)
                 outs.append(y)
             assert torch.equal(outs[0], outs[1])  # the same sums in the same order
+            if tokens == 16:  # the adaptive 16-token tile: the bits of the 8-token tile
+                y8 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=8,
+                                             prefetch=prefetch)
+                assert torch.equal(outs[0], y8), (splits, adaptive)
     for splits in ((1, 1), (2, 2), (4, 2)):  # the persistent two-GEMM launch: the same sums in the same order
         y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits)
         yp = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, persistent=True)
@@ -366,14 +373,14 @@ def test_mma_tiles_bitwise_equal(nan_buffers, B):
     topw, ids = naive.route(x.float() @ (torch.randn(E, H, device="cuda") * 0.02).t(), k, True)
     topw = topw.bfloat16()
     y0 = _check(x, topw, ids, w13, w2)
-    for tokens in (8, 16):
+    for tokens, adaptive in ((8, False), (16, True), (16, False)):  # adaptive: <= 8-token blocks on the 8 tile
         for units in (1, 2, 4):
             for prefetch, maxnreg in ((True, 0), (False, 0), (True, 80)):
                 if maxnreg and units == 4:
                     continue
                 y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, units=units,
-                                            prefetch=prefetch, maxnreg=maxnreg)
-                assert torch.equal(y, y0), (tokens, units, prefetch, maxnreg)
+                                            prefetch=prefetch, maxnreg=maxnreg, adaptive=adaptive)
+                assert torch.equal(y, y0), (tokens, adaptive, units, prefetch, maxnreg)
 
 
 @pytest.mark.gpu
@@ -449,6 +456,29 @@ def test_mma_pair_blocks_bit_identical(nan_buffers, B):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(yg, y0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [3, 12])
+def test_mma_adaptive_pair_blocks_16(nan_buffers, B):
+    """The adaptive 16-token tile on 16-slot pair blocks (a token's pair may sit in any slot 0..15, not at the
+    front): the bits of the expert-sorted 8-token alignment, eager and split-K, NaN-poisoned buffers."""
+    from linrnn_kernels.moe import align
+
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda", seed=8)
+    x = torch.randn(B, H, device="cuda").bfloat16()
+    logits = x.float() @ (torch.randn(E, H, device="cuda") * 0.02).t() + torch.linspace(0, 3, E, device="cuda")
+    topw, ids = naive.route(logits, k, True)
+    topw, ids = topw.bfloat16(), ids.int()
+    pb = experts.Alignment(*align.moe_pair_blocks(ids, 16), 16, pair_blocks=True)
+    for splits in ((1, 1), (4, 2)):
+        y8 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=8)
+        for adaptive in (True, False):
+            y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=16, alignment=pb,
+                                        adaptive=adaptive)
+            assert torch.equal(y, y8), (splits, adaptive)
+    assert not nvfp4_mma.tickets("cuda").any()
 
 
 @pytest.mark.gpu

@@ -451,6 +451,11 @@ MMA_CANDIDATES = {
     "PDL on": {"pdl": True},
     "PDL on 2 units budget 64": {"pdl": True, "units": 2, "maxnreg": 64},
     "2 units budget 72": {"units": 2, "maxnreg": 72},
+    # 16-token blocks: fixed (every block on the 16-token tile, main before round 6 at B >= 256) or adaptive (blocks
+    # with <= 8 tokens on the 8-token tile, experts.MMA_ADAPTIVE_16) at any batch
+    "16-token fixed": {"tokens": 16, "adaptive": False},
+    "16-token adaptive": {"tokens": 16, "units": 1, "maxnreg": 0, "adaptive": True},
+    "16-token adaptive budget 80": {"tokens": 16, "units": 1, "maxnreg": 80, "adaptive": True},
 }
 
 
@@ -468,8 +473,10 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor) -> str:
         u = nvfp4_mma.units_per_step(p.codes.shape[2], sp, units)
         pf = nvfp4_mma.DEFAULT_PREFETCH and (p.codes.shape[2] // sp // u) % 2 == 0
         st = nvfp4_mma.k_loop_stats(gated=p.gated, split=sp, units=u, prefetch=pf, fused_reduce=p.gated and sp > 1,
-                                    tokens=experts.mma_tokens(num_pairs, E), maxnreg=maxnreg or None)
-        out.append(f"{st['per_weight']:.2f}")
+                                    tokens=experts.mma_tokens(num_pairs, E), maxnreg=maxnreg or None,
+                                    adaptive=experts.MMA_ADAPTIVE_16)
+        # adaptive 16-token kernel: "16-token loop (8-token loop)"
+        out.append(f"{st['per_weight']:.2f}" + (f" ({st['per_weight_8']:.2f})" if "per_weight_8" in st else ""))
     return " / ".join(out)
 
 

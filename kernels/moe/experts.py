@@ -296,6 +296,12 @@ N_FASTEST_MAX_MEAN_PAIRS = 4
 MMA_16_MIN_MEAN_PAIRS = 8
 
 
+# 16-token expert blocks whose slots 8..15 are all padding (an expert with <= 8 tokens) run the 8-token tile on
+# their first 8 slots (nvfp4_mma ADAPT, in the same launch): at B = 256 (8 pairs per expert on average, realistic
+# routing) about half the experts have <= 8 tokens and paid the 16-token tile's doubled MMAs and activation loads
+MMA_ADAPTIVE_16 = True
+
+
 def mma_tokens(num_pairs: int, num_experts: int) -> int:
     """Tokens per expert block of the MMA kernel: 8, or 16 from MMA_16_MIN_MEAN_PAIRS pairs per expert."""
     return 16 if num_pairs >= MMA_16_MIN_MEAN_PAIRS * num_experts else 8
@@ -336,7 +342,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
-                    n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None):
+                    n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
+                    adaptive: bool = MMA_ADAPTIVE_16):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -347,7 +354,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     pdl: programmatic dependent launch through gate_up -> down -> combine (nvfp4_mma.pdl_default where not given):
     gate_up lets the down kernel launch at once, whose CTAs load their expert ids and first weights while gate_up
     drains and wait for it before reading h; the down kernel lets the combine (or the engine's shared-expert down
-    projection) launch the same way. Bitwise the same results.
+    projection) launch the same way. Bitwise the same results. adaptive: 16-token blocks with <= 8 tokens run the
+    8-token tile (MMA_ADAPTIVE_16; bitwise the same results).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -369,7 +377,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint)
-    cap = {"maxnreg": maxnreg or None}
+    cap = {"maxnreg": maxnreg or None, "adaptive": adaptive}
     order = [n_fastest if n_fastest is not None else (s == 1 and P <= N_FASTEST_MAX_MEAN_PAIRS * E) for s in splits]
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if persistent:  # both GEMMs in one launch

@@ -210,7 +210,8 @@ if HAVE_GLUON:
             SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-            WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr):
+            WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
+            ADAPT: gl.constexpr):
         if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output)
             gdc_launch_dependents()
         pid = gl.program_id(0)
@@ -226,7 +227,7 @@ if HAVE_GLUON:
                    sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
                    num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                    A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV)
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT)
         if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
             gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
@@ -238,27 +239,49 @@ if HAVE_GLUON:
                    SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                    DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                    GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                   WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False):
-        """Row tile pid_n (GROUPS groups of 16 * WARPS rows) x K split pid_k of expert block pid_m; SIGNAL: count
-        the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent kernel's down tiles wait on it)."""
+                   WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False,
+                   ADAPT: gl.constexpr = False):
+        """Row tile pid_n (GROUPS groups of 16 * WARPS rows) x K split pid_k of expert block pid_m (TOK slots of
+        sorted_ids); SIGNAL: count the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent
+        kernel's down tiles wait on it). ADAPT (TOK = 16): a block whose slots 8..15 are all padding (an expert
+        with <= 8 tokens: align.py fills a block's slots in order; pair blocks may hold any slot) runs the 8-token
+        tile on its first 8 slots: half the MMAs and activation loads, the same bits per token as the 16-token tile."""
         expert = gl.load(expert_ids_ptr + pid_m)
         if expert >= 0:
-            _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
-                            out_ptr, stride_os, stride_om, sorted_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
-                            num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
-                            A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                            TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV)
+            ids_ptr = sorted_ids_ptr + pid_m * TOK
+            if ADAPT:
+                hl: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+                if gl.min(gl.load(ids_ptr + 8 + gl.arange(0, 8, layout=hl)), axis=0) < num_rows:
+                    _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
+                                    rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h,
+                                    tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
+                                    stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE,
+                                    CONSTRAINTS, GAIN, 16, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
+                                    WAIT_PREV)
+                else:
+                    _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
+                                    rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h,
+                                    tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
+                                    stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE,
+                                    CONSTRAINTS, GAIN, 8, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
+                                    WAIT_PREV)
+            else:
+                _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
+                                rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr,
+                                done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
+                                A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS,
+                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV)
 
     @gluon.jit
     def _gemm_tile_body(expert, pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
-                        out_ptr, stride_os, stride_om, sorted_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
+                        out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
                         num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                         A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
                         SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                         DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                         GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
                         WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr):
-        """WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
+        """ids_ptr: the block's TOK token slots in sorted_ids. WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
         grid dependency wait (written by kernels that ended before the previous one began, or never), the
         activations (the previous kernel's output) after it."""
         ROWS: gl.constexpr = 16 * WARPS
@@ -282,7 +305,7 @@ if HAVE_GLUON:
         xu = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, xl)))))
         xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, xl)))))
         xp = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, xl)))))
-        ids_b = gl.load(sorted_ids_ptr + pid_m * TOK + xn)
+        ids_b = gl.load(ids_ptr + xn)
         a_rows = gl.where(ids_b < num_rows, ids_b // A_ROW_DIV, 0).to(gl.int64)
         x_k = xu[None, :, None, None, None] * 64 + xt[None, None, :, None, None] * 16 + xp[None, None, None, :, None]
         x_off = a_rows[None, None, None, None, :] * stride_x + x_k
@@ -364,13 +387,13 @@ if HAVE_GLUON:
                 row_ok = w_row < N
             rs = gl.load(rs_ptr + expert * stride_rse + w_row, mask=row_ok, other=0.0)
             acc = acc * (rs * GAIN)[:, None]
-            ids = gl.load(sorted_ids_ptr + pid_m * TOK + offs_t)
+            ids = gl.load(ids_ptr + offs_t)
             tok_ok = ids < num_rows
             if ROUTE_WEIGHTED:
                 acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
             rows_out = ids.to(gl.int64)[None, :] * stride_om
             if GATED and SPLIT_K == 1:
-                _silu_store(acc, out_ptr, stride_om, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS, TOK)
+                _silu_store(acc, out_ptr, stride_om, ids_ptr, tile0, N, num_rows, WARPS, TOK)
                 if SIGNAL:
                     _signal(done_ptr + pid_m)
             else:
@@ -390,7 +413,7 @@ if HAVE_GLUON:
                             acc += gl.load(out_ptr + s * stride_os + rows_out + w_row[:, None],
                                            mask=row_ok[:, None] & tok_ok[None, :], other=0.0, cache_modifier=".cg")
                         gl.store(tick, 0)
-                        _silu_store(acc, h_ptr, stride_h, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS, TOK)
+                        _silu_store(acc, h_ptr, stride_h, ids_ptr, tile0, N, num_rows, WARPS, TOK)
                         if SIGNAL:
                             _signal(done_ptr + pid_m)
 
@@ -467,7 +490,7 @@ if HAVE_GLUON:
         gl.atomic_add(counter, 1, sem="release", scope="gpu")
 
     @gluon.jit
-    def _silu_store(acc, out_ptr, stride_om, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS: gl.constexpr,
+    def _silu_store(acc, out_ptr, stride_om, ids_ptr, tile0, N, num_rows, WARPS: gl.constexpr,
                     TOK: gl.constexpr):
         """Gated epilogue: accumulator rows [w, r8, g] hold gate (r8 = 0) and up (r8 = 1) of the same output
         column in one thread; stores SiLU(gate) * up [tokens, N / 2]."""
@@ -479,7 +502,7 @@ if HAVE_GLUON:
         hg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
         hn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
         hcol = (tile0 + hw)[:, None, None] * 8 + hg[None, :, None]
-        hids = gl.load(sorted_ids_ptr + pid_m * TOK + hn)
+        hids = gl.load(ids_ptr + hn)
         hok = (hcol < N // 2) & (hids < num_rows)[None, None, :]
         gl.store(out_ptr + hids.to(gl.int64)[None, None, :] * stride_om + hcol,
                  h.to(out_ptr.dtype.element_ty), mask=hok)
@@ -566,7 +589,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
-           pdl_trigger: bool = False):
+           pdl_trigger: bool = False, adaptive: bool = False):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -574,7 +597,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     register budget (None: its own choice; see REGISTER_BUDGET_WHY). Programmatic dependent launch (module
     docstring): pdl_trigger lets the next kernel launch at once; pdl_wait launches this one with PDL, its expert ids,
     token ids and first weights loaded before the grid dependency wait, so the previous kernel (the one whose
-    output x is) must have been launched without PDL, after those were written."""
+    output x is) must have been launched without PDL, after those were written. adaptive (tokens = 16): blocks
+    with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -606,6 +630,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
+        ADAPT=adaptive and tokens == 16,
         num_warps=warps, maxnreg=maxnreg, **({"launch_pdl": True} if pdl_wait else {}))
 
 
@@ -666,8 +691,9 @@ def launch_persistent(x: torch.Tensor, p13: lay.PackedNvfp4, p2: lay.PackedNvfp4
 def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: int = 4,
                     route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
-                    maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False):
-    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_* as in launch); returns the
+                    maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
+                    adaptive: bool = False):
+    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch); returns the
     CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -679,7 +705,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
-                  WAIT_PREV=pdl_wait)
+                  WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -728,27 +754,39 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
                  tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
-                 weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None) -> dict:
+                 weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None, adaptive: bool = False) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
-    the loop, register spills, registers and shared memory of the kernel."""
+    the loop, register spills, registers and shared memory of the kernel. adaptive (tokens 16): the kernel holds
+    a 16- and an 8-token K loop; the statistics are the 16-token loop's, "per_weight_8" / "smem_ops_in_loop_8" /
+    "loads_before_mma_8" the 8-token loop's."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
                                  tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                                 weight_hint=weight_hint, maxnreg=maxnreg)
+                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                        weight_hint=weight_hint, maxnreg=maxnreg)
+                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive)
     weights = 16 * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
-    st = sass_loop_stats(k, "HMMA", weights)
-    st["smem_ops_in_loop"] = sum(v for o, v in st["ops"].items() if o in ("STS", "LDS", "LDSM", "BAR", "STSM"))
+    smem = ("STS", "LDS", "LDSM", "BAR", "STSM")
+    if adaptive and tokens == 16:
+        st8 = sass_loop_stats(k, "HMMA", weights)
+        st = sass_loop_stats(k, "HMMA", weights, most_mma=True)
+        if st8["ops"]["HMMA"] * 2 != st["ops"]["HMMA"]:
+            raise RuntimeError(f"adaptive kernel: expected an 8- and a 16-token K loop, got {st8['ops']} / {st['ops']}")
+        st.update(per_weight_8=st8["per_weight"], loads_before_mma_8=st8["loads_before_mma"],
+                  smem_ops_in_loop_8=sum(v for o, v in st8["ops"].items() if o in smem))
+    else:
+        st = sass_loop_stats(k, "HMMA", weights)
+    st["smem_ops_in_loop"] = sum(v for o, v in st["ops"].items() if o in smem)
     return st
 
 
-def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
+def sass_loop_stats(k, mma_op: str, weights_per_iter: int, most_mma: bool = False) -> dict:
     """SASS statistics of a compiled kernel's K loop: the innermost backward branch whose body issues
-    `mma_op` (HMMA: mma.sync; HGMMA: wgmma; an outer loop may run over row groups). Instructions per
+    `mma_op` (HMMA: mma.sync; HGMMA: wgmma; an outer loop may run over row groups; most_mma: of the loops
+    issuing it, the one with the most, e.g. the 16-token loop of an adaptive kernel). Instructions per
     weight, op counts, global loads issued before the loop's first MMA, spills and atomics anywhere in the
     kernel, registers, shared memory."""
     import collections
@@ -768,7 +806,10 @@ def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
     loops = [r for r in loops if any(r[0] <= a <= r[1] and mma_op in t for a, t in ins)]
     if not loops:
         raise RuntimeError(f"no loop with {mma_op} found in the SASS")
-    lo, hi = min(loops, key=lambda r: r[1] - r[0])
+    if most_mma:
+        lo, hi = max(loops, key=lambda r: (sum(1 for a, t in ins if r[0] <= a <= r[1] and mma_op in t), r[0] - r[1]))
+    else:
+        lo, hi = min(loops, key=lambda r: r[1] - r[0])
     body = [t for a, t in ins if lo <= a <= hi]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
     first_mma = next(i for i, t in enumerate(body) if mma_op in t)

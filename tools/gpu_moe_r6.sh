@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# NVFP4 MoE decode layer round 6 (issue #13, H3): the adaptive 16-token tile (experts.MMA_ADAPTIVE_16: 16-token expert
+# blocks with <= 8 tokens run the 8-token K loop in the same launch).
+# Device calls on one H200 (timeout_s <= 240; every stage under `timeout`; LINRNN_COMMIT=<sha>; the branch overlaid:
+# cp -r .gpu/<branch>/. ./ first):
+#   bash tools/gpu_moe_r6.sh layer    1. tests/test_nvfp4_mma.py GPU cases (test_mma_tiles_bitwise_equal with the adaptive
+#                                        tile, test_mma_per_expert_loads 0/1/7/8/9/15/16/17, test_mma_adaptive_pair_blocks_16)
+#                                     2. the `moe` layer benchmark B = 1 .. 256, nvfp4/mma (+ OLD=1: nvfp4/asm, the old
+#                                        kernel) with copy bandwidth in the same run, candidates (CANDIDATES), profile
+# Results under $OUT/moe_r6 (*.log, *.xml, moe/).
+. tools/device_env.sh >/dev/null
+OUT=${OUT:-/tmp/out}
+R=$OUT/moe_r6
+mkdir -p $R
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+quiet() { grep -vE "leaked|nanobind|^ - |Warning|warn|^\{|^profile |^mma sweep"; }
+VARIANTS=nvfp4/mma; [ "${OLD:-0}" = 1 ] && VARIANTS=nvfp4/mma,nvfp4/asm
+MOE="python3 -m linrnn_bench.kernels.moe --variants $VARIANTS --sets 3 --rep ${REP:-100} --profile --mma-sweep"
+echo "commit ${LINRNN_COMMIT:-?}"
+case "$1" in
+layer)
+  timeout ${T_TESTS:-100} python3 -m pytest -q -n 4 -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
+    --junitxml=$R/test_nvfp4_mma_gpu.xml > $R/tests.log 2>&1; el tests; tail -1 $R/tests.log; grep -E "^(FAILED|ERROR)" $R/tests.log | head -5
+  timeout ${T_BENCH:-120} $MOE --mma-candidates "${CANDIDATES:-default,16-token fixed,16-token adaptive,16-token adaptive budget 80}" \
+    --out $R/moe > $R/moe.log 2>&1; el moe
+  quiet < $R/moe.log | grep -E "^\| [0-9]+ \| [0-9]+ \| |^- B=(1|64|128|256) " | head -14
+  grep -A9 "layer time per variant" $R/moe/moe_*.md | tail -7
+  ;;
+*) echo "usage: $0 layer"; exit 2 ;;
+esac
