@@ -15,13 +15,13 @@ mkdir -p $R
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 quiet() { grep -vE "leaked|nanobind|^ - |Warning|warn|^\{|^profile |^mma sweep"; }
 VARIANTS=nvfp4/mma; [ "${OLD:-0}" = 1 ] && VARIANTS=nvfp4/mma,nvfp4/asm
-MOE="python3 -m linrnn_bench.kernels.moe --variants $VARIANTS --sets 3 --rep ${REP:-100} --profile --mma-sweep"
+MOE="python3 -m linrnn_bench.kernels.moe --variants $VARIANTS --sets 3 --rep ${REP:-100} --profile --mma-sweep --batch-sizes ${BS:-1,8,32,64,128,256}"
 echo "commit ${LINRNN_COMMIT:-?}"
 case "$1" in
 layer)
-  timeout ${T_TESTS:-100} python3 -m pytest -q -n 4 -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
+  timeout ${T_TESTS:-90} python3 -m pytest -q -n 4 -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
     --junitxml=$R/test_nvfp4_mma_gpu.xml > $R/tests.log 2>&1; el tests; tail -1 $R/tests.log; grep -E "^(FAILED|ERROR)" $R/tests.log | head -5
-  timeout ${T_BENCH:-120} $MOE --mma-candidates "${CANDIDATES:-default,16-token fixed,16-token adaptive,16-token adaptive budget 80}" \
+  timeout ${T_BENCH:-125} $MOE --mma-candidates "${CANDIDATES:-default,16-token fixed,16-token adaptive,16-token adaptive 8-token loop 2 units,16-token adaptive budget 80}" \
     --out $R/moe > $R/moe.log 2>&1; el moe
   quiet < $R/moe.log | grep -E "^\| [0-9]+ \| [0-9]+ \| |^- B=(1|64|128|256) " | head -14
   grep -A9 "layer time per variant" $R/moe/moe_*.md | tail -7

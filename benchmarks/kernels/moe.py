@@ -456,6 +456,7 @@ MMA_CANDIDATES = {
     "16-token fixed": {"tokens": 16, "adaptive": False},
     "16-token adaptive": {"tokens": 16, "units": 1, "maxnreg": 0, "adaptive": True},
     "16-token adaptive budget 80": {"tokens": 16, "units": 1, "maxnreg": 80, "adaptive": True},
+    "16-token adaptive 8-token loop 2 units": {"tokens": 16, "units": 1, "maxnreg": 0, "adaptive": True, "units8": 2},
 }
 
 
@@ -474,7 +475,7 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor) -> str:
         pf = nvfp4_mma.DEFAULT_PREFETCH and (p.codes.shape[2] // sp // u) % 2 == 0
         st = nvfp4_mma.k_loop_stats(gated=p.gated, split=sp, units=u, prefetch=pf, fused_reduce=p.gated and sp > 1,
                                     tokens=experts.mma_tokens(num_pairs, E), maxnreg=maxnreg or None,
-                                    adaptive=experts.MMA_ADAPTIVE_16)
+                                    adaptive=experts.MMA_ADAPTIVE_16, units8=experts.MMA_ADAPTIVE_UNITS8)
         # adaptive 16-token kernel: "16-token loop (8-token loop)"
         out.append(f"{st['per_weight']:.2f}" + (f" ({st['per_weight_8']:.2f})" if "per_weight_8" in st else ""))
     return " / ".join(out)

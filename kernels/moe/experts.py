@@ -300,6 +300,8 @@ MMA_16_MIN_MEAN_PAIRS = 8
 # their first 8 slots (nvfp4_mma ADAPT, in the same launch): at B = 256 (8 pairs per expert on average, realistic
 # routing) about half the experts have <= 8 tokens and paid the 16-token tile's doubled MMAs and activation loads
 MMA_ADAPTIVE_16 = True
+# units per K step of the adaptive kernel's 8-token loop (None: the tile's units, mma_tile)
+MMA_ADAPTIVE_UNITS8 = None
 
 
 def mma_tokens(num_pairs: int, num_experts: int) -> int:
@@ -343,7 +345,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
                     n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
-                    adaptive: bool = MMA_ADAPTIVE_16):
+                    adaptive: bool = MMA_ADAPTIVE_16, units8: int | None = MMA_ADAPTIVE_UNITS8):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -355,7 +357,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     gate_up lets the down kernel launch at once, whose CTAs load their expert ids and first weights while gate_up
     drains and wait for it before reading h; the down kernel lets the combine (or the engine's shared-expert down
     projection) launch the same way. Bitwise the same results. adaptive: 16-token blocks with <= 8 tokens run the
-    8-token tile (MMA_ADAPTIVE_16; bitwise the same results).
+    8-token tile (MMA_ADAPTIVE_16; bitwise the same results) at units8 units per K step (MMA_ADAPTIVE_UNITS8).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -377,7 +379,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint)
-    cap = {"maxnreg": maxnreg or None, "adaptive": adaptive}
+    cap = {"maxnreg": maxnreg or None, "adaptive": adaptive, "units8": units8}
     order = [n_fastest if n_fastest is not None else (s == 1 and P <= N_FASTEST_MAX_MEAN_PAIRS * E) for s in splits]
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if persistent:  # both GEMMs in one launch

@@ -211,7 +211,7 @@ if HAVE_GLUON:
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
-            ADAPT: gl.constexpr):
+            ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr):
         if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output)
             gdc_launch_dependents()
         pid = gl.program_id(0)
@@ -227,7 +227,7 @@ if HAVE_GLUON:
                    sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
                    num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                    A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT)
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8)
         if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
             gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
@@ -240,12 +240,13 @@ if HAVE_GLUON:
                    DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                    GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
                    WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False,
-                   ADAPT: gl.constexpr = False):
+                   ADAPT: gl.constexpr = False, UNITS8: gl.constexpr = 1, PREFETCH8: gl.constexpr = False):
         """Row tile pid_n (GROUPS groups of 16 * WARPS rows) x K split pid_k of expert block pid_m (TOK slots of
         sorted_ids); SIGNAL: count the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent
         kernel's down tiles wait on it). ADAPT (TOK = 16): a block whose slots 8..15 are all padding (an expert
         with <= 8 tokens: align.py fills a block's slots in order; pair blocks may hold any slot) runs the 8-token
-        tile on its first 8 slots: half the MMAs and activation loads, the same bits per token as the 16-token tile."""
+        tile on its first 8 slots: half the MMAs and activation loads, the same bits per token as the 16-token tile.
+        UNITS8 / PREFETCH8: that 8-token loop's units per K step and prefetch (it fits more units in the registers)."""
         expert = gl.load(expert_ids_ptr + pid_m)
         if expert >= 0:
             ids_ptr = sorted_ids_ptr + pid_m * TOK
@@ -262,8 +263,8 @@ if HAVE_GLUON:
                     _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                     rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h,
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
-                                    stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE,
-                                    CONSTRAINTS, GAIN, 8, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
+                                    stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS8, WARPS, EVEN_K,
+                                    DECODE, CONSTRAINTS, GAIN, 8, GROUPS, PREFETCH8, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
                                     WAIT_PREV)
             else:
                 _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
@@ -584,12 +585,19 @@ def tickets(device) -> torch.Tensor:
     return t
 
 
+def _can_prefetch(prefetch: bool, w: lay.PackedNvfp4, split: int, units: int) -> bool:
+    """The prefetch runs two K steps per iteration and reads up to two steps past a split's end: only with an even
+    step count and over buffers with pack()'s slack."""
+    U = w.codes.shape[2]
+    return prefetch and (U // split // units) % 2 == 0 and lay.has_slack(w.codes) and lay.has_slack(w.scales)
+
+
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, route_weights=None, a_row_div: int = 1,
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
-           pdl_trigger: bool = False, adaptive: bool = False):
+           pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -598,7 +606,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     docstring): pdl_trigger lets the next kernel launch at once; pdl_wait launches this one with PDL, its expert ids,
     token ids and first weights loaded before the grid dependency wait, so the previous kernel (the one whose
     output x is) must have been launched without PDL, after those were written. adaptive (tokens = 16): blocks
-    with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile)."""
+    with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -608,10 +616,10 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         warps //= 2
     while (T // warps) % groups:
         groups //= 2
-    # the prefetch runs two K steps per iteration and reads up to two steps past a split's end: only
-    # with an even step count and over buffers with pack()'s slack
-    prefetch = (prefetch and (U // split // units) % 2 == 0 and lay.has_slack(w.codes)
-                and lay.has_slack(w.scales))
+    adaptive = adaptive and tokens == 16
+    units8 = units_per_step(U, split, units8 or units) if adaptive else 1
+    prefetch8 = adaptive and _can_prefetch(prefetch, w, split, units8)
+    prefetch = _can_prefetch(prefetch, w, split, units)
     scales32 = w.scales.view(torch.int32)
     grid = (num_m_blocks * (T // (warps * groups)), split)
     fused = h is not None
@@ -630,7 +638,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
-        ADAPT=adaptive and tokens == 16,
+        ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8,
         num_warps=warps, maxnreg=maxnreg, **({"launch_pdl": True} if pdl_wait else {}))
 
 
@@ -692,7 +700,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
                     maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
-                    adaptive: bool = False):
+                    adaptive: bool = False, units8: int | None = None, prefetch8: bool | None = None):
     """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch); returns the
     CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -705,7 +713,8 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
-                  WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16)
+                  WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16, UNITS8=units8 or units,
+                  PREFETCH8=prefetch if prefetch8 is None else prefetch8)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -754,26 +763,28 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 @functools.lru_cache(maxsize=None)
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
                  tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
-                 weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None, adaptive: bool = False) -> dict:
+                 weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None, adaptive: bool = False,
+                 units8: int | None = None) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
     the loop, register spills, registers and shared memory of the kernel. adaptive (tokens 16): the kernel holds
-    a 16- and an 8-token K loop; the statistics are the 16-token loop's, "per_weight_8" / "smem_ops_in_loop_8" /
-    "loads_before_mma_8" the 8-token loop's."""
+    a 16- and an 8-token K loop (units8 units per step, default units); the statistics are the 16-token loop's,
+    "per_weight_8" / "smem_ops_in_loop_8" / "loads_before_mma_8" the 8-token loop's."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
                                  tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive)
+                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive)
+                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8)
     weights = 16 * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     smem = ("STS", "LDS", "LDSM", "BAR", "STSM")
     if adaptive and tokens == 16:
-        st8 = sass_loop_stats(k, "HMMA", weights)
-        st = sass_loop_stats(k, "HMMA", weights, most_mma=True)
-        if st8["ops"]["HMMA"] * 2 != st["ops"]["HMMA"]:
+        weights8 = 16 * 64 * (units8 or units) // 32 * (2 if prefetch else 1)
+        st8 = sass_loop_stats(k, "HMMA", weights8, loop_16=False)
+        st = sass_loop_stats(k, "HMMA", weights, loop_16=True)
+        if st8["ops"]["HMMA"] * 2 * units != st["ops"]["HMMA"] * (units8 or units):
             raise RuntimeError(f"adaptive kernel: expected an 8- and a 16-token K loop, got {st8['ops']} / {st['ops']}")
         st.update(per_weight_8=st8["per_weight"], loads_before_mma_8=st8["loads_before_mma"],
                   smem_ops_in_loop_8=sum(v for o, v in st8["ops"].items() if o in smem))
@@ -783,10 +794,29 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     return st
 
 
-def sass_loop_stats(k, mma_op: str, weights_per_iter: int, most_mma: bool = False) -> dict:
+def _shared_a_fraction(body: list[str]) -> float:
+    """Of a loop's HMMAs, the fraction whose A operand register is the previous HMMA's, unwritten in between: ~1/2 in
+    the 16-token loop (two n8 MMAs per decoded A fragment), ~0 in the 8-token loop."""
+    import re
+
+    shared, last, mmas = 0, None, 0
+    for t in body:
+        op = re.sub(r"^@!?U?P\w+\s+", "", t)
+        regs = [r.split(".")[0] for r in re.findall(r"\bR\d+(?:\.reuse)?", op)]
+        if op.startswith("HMMA"):
+            mmas += 1
+            shared += last is not None and regs[1] == last
+            last = regs[1]
+        elif regs and regs[0] == last:  # the destination (first operand) overwrites it
+            last = None
+    return shared / max(mmas, 1)
+
+
+def sass_loop_stats(k, mma_op: str, weights_per_iter: int, loop_16: bool | None = None) -> dict:
     """SASS statistics of a compiled kernel's K loop: the innermost backward branch whose body issues
-    `mma_op` (HMMA: mma.sync; HGMMA: wgmma; an outer loop may run over row groups; most_mma: of the loops
-    issuing it, the one with the most, e.g. the 16-token loop of an adaptive kernel). Instructions per
+    `mma_op` (HMMA: mma.sync; HGMMA: wgmma; an outer loop may run over row groups; the shortest such loop unless
+    loop_16 is given: of an adaptive kernel's two K loops, the 16-token (True) or the 8-token (False) one,
+    told apart by their HMMAs sharing A fragments, _shared_a_fraction). Instructions per
     weight, op counts, global loads issued before the loop's first MMA, spills and atomics anywhere in the
     kernel, registers, shared memory."""
     import collections
@@ -806,8 +836,9 @@ def sass_loop_stats(k, mma_op: str, weights_per_iter: int, most_mma: bool = Fals
     loops = [r for r in loops if any(r[0] <= a <= r[1] and mma_op in t for a, t in ins)]
     if not loops:
         raise RuntimeError(f"no loop with {mma_op} found in the SASS")
-    if most_mma:
-        lo, hi = max(loops, key=lambda r: (sum(1 for a, t in ins if r[0] <= a <= r[1] and mma_op in t), r[0] - r[1]))
+    if loop_16 is not None:
+        shared = {r: _shared_a_fraction([t for a, t in ins if r[0] <= a <= r[1]]) for r in loops}
+        lo, hi = (max if loop_16 else min)(loops, key=lambda r: (shared[r], r[0] - r[1]))
     else:
         lo, hi = min(loops, key=lambda r: r[1] - r[0])
     body = [t for a, t in ins if lo <= a <= hi]
