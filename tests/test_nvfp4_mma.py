@@ -175,16 +175,16 @@ def test_sm90_compile_adaptive(gated, split, units8):
 
 
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
-@pytest.mark.parametrize("units,maxnreg", sorted({tile[1:] for tile in experts.MMA_TILES if tile[2]}))
+@pytest.mark.parametrize("units,maxnreg,mrep", sorted({tile[1:] for tile in experts.MMA_TILES if tile[2]}))
 @pytest.mark.parametrize("gated,split", [(True, 4), (False, 2), (True, 1)])
-def test_sm90_compile_register_budget(units, maxnreg, gated, split):
+def test_sm90_compile_register_budget(units, maxnreg, mrep, gated, split):
     """The tiles experts.MMA_TILES compiles with a register budget (small batches: B = 1 runs gate_up at split 4,
     down at 2): ptxas takes the registers to issue the loop's loads early, at least the 8 of a 1-unit iteration
     (both K steps' activations, the next steps' codes and scales) before the first MMA (44 registers and 1 load
     before it without a budget at split 4, the round-3 B = 1 regression), within the budget, no spills, the
     instruction budget kept."""
     st = nvfp4_mma.k_loop_stats(gated=gated, split=split, units=units, fused_reduce=gated and split > 1,
-                                maxnreg=maxnreg)
+                                maxnreg=maxnreg, mrep=mrep)
     assert st["regs"] <= maxnreg and st["spill_ops"] == 0 and st["smem_ops_in_loop"] == 0, st
     assert st["loads_before_mma"] >= 8, st
     assert st["per_weight"] <= ipw_budget(8), st
@@ -200,6 +200,25 @@ def test_sm90_ptx_operand_wiring(gated, split, units, tokens, hint):
     The convert_layout trivial-assert cannot see a relabelled register, this can."""
     res = nvfp4_mma.ptx_operand_wiring(gated=gated, split=split, units=units, tokens=tokens, weight_hint=hint)
     assert res["mmas"] == 8 * units * tokens // 8 and res["errors"] == [], res
+
+
+@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
+@pytest.mark.parametrize("gated,split,tokens,adaptive", [(True, 1, 8, False), (False, 2, 8, False), (True, 4, 8, False),
+                                                        (False, 1, 16, True)])
+def test_sm90_compile_two_row_tiles_per_warp(gated, split, tokens, adaptive):
+    """mrep = 2 (two 16-row tiles per warp, the MMA layout repeated along M in registers; one activation load feeds
+    both tiles' MMAs): the regrouping stays trivial (it compiles), no shared memory in the K loop(s), no spills, the
+    operand wiring of every MMA checked against the layout, twice the MMAs per K step, within the budget (8 tokens:
+    2.35 per weight on triton 3.9 at 72 registers; 16 tokens 2.57 at 88)."""
+    st = nvfp4_mma.k_loop_stats(gated=gated, split=split, units=1, prefetch=True, fused_reduce=gated and split > 1,
+                                tokens=tokens, adaptive=adaptive, mrep=2)
+    assert st["smem_ops_in_loop"] == 0 and st.get("smem_ops_in_loop_8", 0) == 0 and st["spill_ops"] == 0, st
+    assert st["ops"]["HMMA"] == 2 * 2 * 4 * tokens // 8, st  # two K steps x 4 k16 x two row tiles x tokens / 8
+    assert st["per_weight"] <= ipw_budget(tokens, adaptive), st
+    assert st.get("per_weight_8", 0) <= ipw_budget(8), st
+    assert st["regs"] <= (72 if tokens == 8 else 88), st
+    res = nvfp4_mma.ptx_operand_wiring(gated=gated, split=split, units=1, tokens=tokens, mrep=2, adaptive=adaptive)
+    assert res["errors"] == [] and res["mmas"] == 8 * 2 * (tokens // 8 + (1 if adaptive else 0)), res
 
 
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
@@ -356,23 +375,25 @@ def test_mma_per_expert_loads(nan_buffers):
     topw = torch.rand(ids.shape[0], 1, device="cuda").bfloat16()
     _check(x, topw, ids, w13, w2)
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for tokens, groups, prefetch, adaptive in ((8, (1, 1), False, False), (16, (1, 1), False, True),
-                                               (16, (1, 1), True, False), (8, (2, 4), False, False),
-                                               (8, (1, 1), True, False)):
+    for tokens, groups, prefetch, adaptive, mrep in ((8, (1, 1), False, False, 1), (16, (1, 1), False, True, 1),
+                                                     (16, (1, 1), True, False, 1), (8, (2, 4), False, False, 1),
+                                                     (8, (1, 1), True, False, 1), (8, (1, 2), True, False, 2),
+                                                     (16, (1, 1), True, True, 2)):
         for splits in ((1, 1), (2, 2), (4, 2)):  # every split-K path
             outs = []
             for fused in (True, False):  # gate_up's partials reduced by its last split / by a separate launch
                 y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=tokens,
-                                            groups=groups, prefetch=prefetch, fused_reduce=fused, adaptive=adaptive)
+                                            groups=groups, prefetch=prefetch, fused_reduce=fused, adaptive=adaptive,
+                                            mrep=mrep)
                 assert not y.isnan().any()
                 err = float((y.double() - ref.double()).norm() / ref.double().norm())
                 assert err <= 1e-2, (tokens, groups, splits, fused, err)
                 outs.append(y)
             assert torch.equal(outs[0], outs[1])  # the same sums in the same order
-            if tokens == 16:  # the adaptive 16-token tile: the bits of the 8-token tile
+            if tokens == 16 or mrep > 1:  # 16-token (adaptive or not) and 2-tile warps: the bits of the 8-token tile
                 y8 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=8,
-                                             prefetch=prefetch)
-                assert torch.equal(outs[0], y8), (splits, adaptive)
+                                             prefetch=prefetch, mrep=1)
+                assert torch.equal(outs[0], y8), (splits, adaptive, mrep)
     for splits in ((1, 1), (2, 2), (4, 2)):  # the persistent two-GEMM launch: the same sums in the same order
         y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits)
         yp = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, persistent=True)
@@ -384,9 +405,9 @@ def test_mma_per_expert_loads(nan_buffers):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 64, 256])
 def test_mma_tiles_bitwise_equal(nan_buffers, B):
-    """Every tile shape runs the same MMAs in the same k order per token column: 8- and 16-token blocks, 1 / 2 / 4
-    units per K step, with and without the prefetch, with and without a register budget (experts.MMA_TILES) give
-    the same bits (and the oracle within tolerance)."""
+    """Every tile shape runs the same MMAs in the same k order per token column: 8- and 16-token blocks (adaptive or
+    not), 1 / 2 / 4 units per K step, 1 / 2 row tiles per warp, with and without the prefetch, with and without a
+    register budget (experts.MMA_TILES), 4 or 8 warps give the same bits (and the oracle within tolerance)."""
     E, k, H, I = 256, 8, 2048, 512
     w13, w2 = _weights(E, H, I, "cuda", seed=6)
     x = torch.randn(B, H, device="cuda").bfloat16()
@@ -399,8 +420,12 @@ def test_mma_tiles_bitwise_equal(nan_buffers, B):
                 if maxnreg and units == 4:
                     continue
                 y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, units=units,
-                                            prefetch=prefetch, maxnreg=maxnreg, adaptive=adaptive)
+                                            prefetch=prefetch, maxnreg=maxnreg, adaptive=adaptive, mrep=1)
                 assert torch.equal(y, y0), (tokens, adaptive, units, prefetch, maxnreg)
+    for tokens, units, mrep, warps in ((8, 1, 2, 4), (8, 2, 2, 4), (16, 1, 2, 4), (8, 1, 1, 8), (16, 1, 1, 8)):
+        y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, units=units, maxnreg=0,
+                                    mrep=mrep, warps=warps)
+        assert torch.equal(y, y0), (tokens, units, mrep, warps)
 
 
 @pytest.mark.gpu

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # NVFP4 MoE decode layer round 6 (issue #13, H3): the adaptive 16-token tile (experts.MMA_ADAPTIVE_16: 16-token expert
-# blocks with <= 8 tokens run the 8-token K loop in the same launch).
+# blocks with <= 8 tokens run the 8-token K loop in the same launch) and two 16-row tiles per warp (mrep: one activation
+# load feeds both tiles' MMAs).
 # Device calls on one H200 (timeout_s <= 240; every stage under `timeout`; LINRNN_COMMIT=<sha>; the branch overlaid:
 # cp -r .gpu/<branch>/. ./ first):
 #   bash tools/gpu_moe_r6.sh layer    1. tests/test_nvfp4_mma.py GPU cases (test_mma_tiles_bitwise_equal with the adaptive
 #                                        tile, test_mma_per_expert_loads 0/1/7/8/9/15/16/17, test_mma_adaptive_pair_blocks_16)
-#                                     2. the `moe` layer benchmark B = 1 .. 256, nvfp4/mma (+ OLD=1: nvfp4/asm, the old
+#                                        and the two-row-tiles-per-warp / 8-warp tiles bitwise against the default)
+#                                     2. the `moe` layer benchmark B = 1 .. 256 (BS), nvfp4/mma (+ OLD=1: nvfp4/asm, the old
 #                                        kernel) with copy bandwidth in the same run, candidates (CANDIDATES), profile
 # Results under $OUT/moe_r6 (*.log, *.xml, moe/).
 . tools/device_env.sh >/dev/null
@@ -19,9 +21,9 @@ MOE="python3 -m linrnn_bench.kernels.moe --variants $VARIANTS --sets 3 --rep ${R
 echo "commit ${LINRNN_COMMIT:-?}"
 case "$1" in
 layer)
-  timeout ${T_TESTS:-90} python3 -m pytest -q -n 4 -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
+  timeout ${T_TESTS:-85} python3 -m pytest -q -n ${NPROC:-3} -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
     --junitxml=$R/test_nvfp4_mma_gpu.xml > $R/tests.log 2>&1; el tests; tail -1 $R/tests.log; grep -E "^(FAILED|ERROR)" $R/tests.log | head -5
-  timeout ${T_BENCH:-125} $MOE --mma-candidates "${CANDIDATES:-default,16-token fixed,16-token adaptive,16-token adaptive 8-token loop 2 units,16-token adaptive budget 80}" \
+  timeout ${T_BENCH:-135} $MOE --mma-candidates "${CANDIDATES:-default,16-token fixed,2 row tiles per warp,2 row tiles per warp 1 unit,2 row tiles per warp 8-token blocks,2 row tiles per warp 16-token fixed,8 warps}" \
     --out $R/moe > $R/moe.log 2>&1; el moe
   quiet < $R/moe.log | grep -E "^\| [0-9]+ \| [0-9]+ \| |^- B=(1|64|128|256) " | head -14
   grep -A9 "layer time per variant" $R/moe/moe_*.md | tail -7

@@ -457,6 +457,13 @@ MMA_CANDIDATES = {
     "16-token adaptive": {"tokens": 16, "units": 1, "maxnreg": 0, "adaptive": True},
     "16-token adaptive budget 80": {"tokens": 16, "units": 1, "maxnreg": 80, "adaptive": True},
     "16-token adaptive 8-token loop 2 units": {"tokens": 16, "units": 1, "maxnreg": 0, "adaptive": True, "units8": 2},
+    # 16-row tiles per warp (mrep: each activation load feeds both tiles' MMAs) and 8-warp CTAs (activations shared
+    # by 128 rows through L1)
+    "2 row tiles per warp": {"mrep": 2},
+    "2 row tiles per warp 1 unit": {"mrep": 2, "units": 1, "maxnreg": 0},
+    "2 row tiles per warp 8-token blocks": {"mrep": 2, "tokens": 8, "units": 1, "maxnreg": 0},
+    "2 row tiles per warp 16-token fixed": {"mrep": 2, "tokens": 16, "units": 1, "maxnreg": 0, "adaptive": False},
+    "8 warps": {"warps": 8},
 }
 
 
@@ -467,15 +474,15 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor) -> str:
 
     p13, p2 = w13.packed, w2.packed
     E = p13.codes.shape[0]
-    splits = experts.mma_splits(num_pairs, p13, p2, nvfp4_mma.num_sms(w13.data.device))
-    units, maxnreg = experts.mma_tile(num_pairs, E)
+    splits = experts.mma_splits(num_pairs, p13, p2, nvfp4_mma.num_sms(w13.data.device), mrep=mrep)
+    units, maxnreg, mrep = experts.mma_tile(num_pairs, E)
     out = []
     for p, sp in zip((p13, p2), splits):
         u = nvfp4_mma.units_per_step(p.codes.shape[2], sp, units)
         pf = nvfp4_mma.DEFAULT_PREFETCH and (p.codes.shape[2] // sp // u) % 2 == 0
         st = nvfp4_mma.k_loop_stats(gated=p.gated, split=sp, units=u, prefetch=pf, fused_reduce=p.gated and sp > 1,
                                     tokens=experts.mma_tokens(num_pairs, E), maxnreg=maxnreg or None,
-                                    adaptive=experts.MMA_ADAPTIVE_16, units8=experts.MMA_ADAPTIVE_UNITS8)
+                                    adaptive=experts.MMA_ADAPTIVE_16, units8=experts.MMA_ADAPTIVE_UNITS8, mrep=mrep)
         # adaptive 16-token kernel: "16-token loop (8-token loop)"
         out.append(f"{st['per_weight']:.2f}" + (f" ({st['per_weight_8']:.2f})" if "per_weight_8" in st else ""))
     return " / ".join(out)

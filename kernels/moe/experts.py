@@ -317,24 +317,27 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
 # in one run (benchmarks/results/kernels/moe/round4/): 24.2 vs 26.7 us at B = 1 (MMA kernel 10.4 vs 13.1), 49.9 vs 52.8
 # at 8, 156.6 vs 163.6 at 128 (2 units at B = 32 / 64: +5.0 / +4.3 us here, -7.0 / -3.7 in round 3's run: not settled);
 # engine 2.315 / 4.166 / 13.689 vs 2.416 / 4.258 / 13.997 ms per step at npl 1 / 8 / 128. B = 2-7 not measured.
-MMA_TILES = ((0, 1, 80), (0.25, 2, 0), (8, 1, 0))
+# Fourth column: 16-row tiles per warp (mrep).
+MMA_TILES = ((0, 1, 80, 1), (0.25, 2, 0, 1), (8, 1, 0, 1))
 
 
-def mma_tile(num_pairs: int, num_experts: int) -> tuple[int, int]:
-    """(units per K step, register budget, 0 = none) of the MMA kernel for num_pairs pairs (MMA_TILES)."""
+def mma_tile(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
+    """(units per K step, register budget (0 = none), 16-row tiles per warp) of the MMA kernel for num_pairs pairs
+    (MMA_TILES)."""
     tile = MMA_TILES[0][1:]
-    for lo, units, maxnreg in MMA_TILES:
+    for lo, *rest in MMA_TILES:
         if num_pairs >= lo * num_experts:
-            tile = (units, maxnreg)
+            tile = tuple(rest)
     return tile
 
 
 def mma_splits(num_pairs: int, p13, p2, num_sms: int, warps: int = 4, groups: tuple[int, int] = (1, 1),
-               per_sm: int = nvfp4_mma.DEFAULT_PER_SM) -> tuple[int, int]:
-    """The split-K of moe_experts_mma's (gate_up, down) GEMMs for num_pairs (token, expert) pairs."""
+               per_sm: int = nvfp4_mma.DEFAULT_PER_SM, mrep: int = 1) -> tuple[int, int]:
+    """The split-K of moe_experts_mma's (gate_up, down) GEMMs for num_pairs (token, expert) pairs (mrep: 16-row
+    tiles per warp)."""
     active = min(p13.codes.shape[0], num_pairs)
-    return tuple(nvfp4_mma.split_k(p.codes.shape[2], active * nvfp4_mma.programs_per_block(p, warps) // g, num_sms,
-                                   per_sm)
+    return tuple(nvfp4_mma.split_k(p.codes.shape[2], active * nvfp4_mma.programs_per_block(p, warps, mrep) // g,
+                                   num_sms, per_sm)
                  for p, g in ((p13, groups[0]), (p2, groups[1])))
 
 
@@ -345,7 +348,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
                     n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
-                    adaptive: bool = MMA_ADAPTIVE_16, units8: int | None = MMA_ADAPTIVE_UNITS8):
+                    adaptive: bool = MMA_ADAPTIVE_16, units8: int | None = MMA_ADAPTIVE_UNITS8, mrep: int | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -358,6 +361,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     drains and wait for it before reading h; the down kernel lets the combine (or the engine's shared-expert down
     projection) launch the same way. Bitwise the same results. adaptive: 16-token blocks with <= 8 tokens run the
     8-token tile (MMA_ADAPTIVE_16; bitwise the same results) at units8 units per K step (MMA_ADAPTIVE_UNITS8).
+    mrep: 16-row tiles per warp (each activation load feeds mrep row tiles; mma_tile where not given; bitwise the
+    same results).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -371,15 +376,16 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     tile = mma_tile(P, E)
     units = units or (nvfp4_mma.DEFAULT_UNITS if persistent else tile[0])  # persistent: the compile-tested tile
     maxnreg = tile[1] if maxnreg is None else maxnreg
+    mrep = (1 if persistent else tile[2]) if mrep is None else mrep
     pdl = nvfp4_mma.pdl_default(x.device) if pdl is None else pdl
     sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
     if splits is None:
-        splits = mma_splits(P, p13, p2, nvfp4_mma.num_sms(x.device), warps, groups, per_sm)
+        splits = mma_splits(P, p13, p2, nvfp4_mma.num_sms(x.device), warps, groups, per_sm, mrep)
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint)
-    cap = {"maxnreg": maxnreg or None, "adaptive": adaptive, "units8": units8}
+    cap = {"maxnreg": maxnreg or None, "adaptive": adaptive, "units8": units8, "mrep": mrep}
     order = [n_fastest if n_fastest is not None else (s == 1 and P <= N_FASTEST_MAX_MEAN_PAIRS * E) for s in splits]
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if persistent:  # both GEMMs in one launch

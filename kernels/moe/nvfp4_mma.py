@@ -211,13 +211,13 @@ if HAVE_GLUON:
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
-            ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr):
+            ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr, MREP: gl.constexpr):
         if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output)
             gdc_launch_dependents()
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
         if N_FASTEST:  # the row tiles of one expert block run next to each other
-            n_progs = n_tiles // (WARPS * GROUPS)
+            n_progs = n_tiles // (WARPS * MREP * GROUPS)
             pid_n = pid % n_progs
             pid_m = pid // n_progs
         else:  # one row tile of every expert block, then the next
@@ -227,7 +227,7 @@ if HAVE_GLUON:
                    sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
                    num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                    A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8)
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP)
         if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
             gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
@@ -240,8 +240,9 @@ if HAVE_GLUON:
                    DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                    GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
                    WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False,
-                   ADAPT: gl.constexpr = False, UNITS8: gl.constexpr = 1, PREFETCH8: gl.constexpr = False):
-        """Row tile pid_n (GROUPS groups of 16 * WARPS rows) x K split pid_k of expert block pid_m (TOK slots of
+                   ADAPT: gl.constexpr = False, UNITS8: gl.constexpr = 1, PREFETCH8: gl.constexpr = False,
+                   MREP: gl.constexpr = 1):
+        """Row tile pid_n (GROUPS groups of 16 * WARPS * MREP rows) x K split pid_k of expert block pid_m (TOK slots of
         sorted_ids); SIGNAL: count the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent
         kernel's down tiles wait on it). ADAPT (TOK = 16): a block whose slots 8..15 are all padding (an expert
         with <= 8 tokens: align.py fills a block's slots in order; pair blocks may hold any slot) runs the 8-token
@@ -258,20 +259,20 @@ if HAVE_GLUON:
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE,
                                     CONSTRAINTS, GAIN, 16, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV)
+                                    WAIT_PREV, MREP)
                 else:
                     _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                     rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h,
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS8, WARPS, EVEN_K,
                                     DECODE, CONSTRAINTS, GAIN, 8, GROUPS, PREFETCH8, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV)
+                                    WAIT_PREV, MREP)
             else:
                 _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                 rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr,
                                 done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                                 A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS,
-                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV)
+                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, MREP)
 
     @gluon.jit
     def _gemm_tile_body(expert, pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
@@ -281,11 +282,14 @@ if HAVE_GLUON:
                         SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                         DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                         GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr):
-        """ids_ptr: the block's TOK token slots in sorted_ids. WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
+                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, MREP: gl.constexpr):
+        """ids_ptr: the block's TOK token slots in sorted_ids. MREP: 16-row tiles per warp (the MMA layout repeats
+        along M in registers: row tile MREP * WARPS of the CTA is warp w's second); every activation load feeds MREP
+        tiles' MMAs. WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
         grid dependency wait (written by kernels that ended before the previous one began, or never), the
         activations (the previous kernel's output) after it."""
-        ROWS: gl.constexpr = 16 * WARPS
+        MT: gl.constexpr = WARPS * MREP  # 16-row tiles per CTA
+        ROWS: gl.constexpr = 16 * MT
         BK: gl.constexpr = 64 * UNITS
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
                                                       instr_shape=[16, 8])
@@ -316,14 +320,14 @@ if HAVE_GLUON:
 
         # code words (4 per lane per unit) at ((tile * k_units + unit) * 32 + lane) * 4 + e;
         # loop-invariant offsets from scalar bases that advance by one K step
-        offs_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
+        offs_w = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
         offs_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
         offs_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, raw))))
         offs_e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, raw))))
         c_off = ((offs_w[:, None, None, None] * k_units + offs_u[None, :, None, None]) * 128
                  + offs_l[None, None, :, None] * 4 + offs_e[None, None, None, :])
         # scale words (int32 view): lane l reads word l // 2 of its unit's 16 (its two bytes and its neighbour's)
-        so_w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, sraw)))
+        so_w = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, sraw)))
         so_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, sraw)))
         so_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sraw)))
         s_off = (so_w[:, None, None] * k_units + so_u[None, :, None]) * 16 + (so_l // 2)[None, None, :]
@@ -333,7 +337,7 @@ if HAVE_GLUON:
         # GROUPS row groups of 16 * WARPS rows per CTA, one after the other: longer CTAs amortize the
         # prologue (expert id, token ids) where K is short (down_proj: K = 512 is two K steps)
         for grp in range(GROUPS):
-            tile0 = (pid_n * GROUPS + grp) * WARPS
+            tile0 = (pid_n * GROUPS + grp) * MT
             unit0 = tile0.to(gl.int64) * k_units + u_lo
             c_base = codes_ptr + expert * stride_ce + unit0 * 128
             s_base = scales_ptr + expert * stride_se + unit0 * 16
@@ -352,11 +356,11 @@ if HAVE_GLUON:
                     qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
                     acc = _decode_mma(qa, sa, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
-                                      CONSTRAINTS, WARPS, UNITS, TOK)
+                                      CONSTRAINTS, MT, UNITS, TOK)
                     qa = load_weights(c_base + 2 * UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sa = load_weights(s_base + 2 * UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
                     acc = _decode_mma(qb, sb, sel, x_base + BK, x_off, x_k, k0 + BK, K, acc, a_op, b_op, EVEN_K,
-                                      DECODE, CONSTRAINTS, WARPS, UNITS, TOK)
+                                      DECODE, CONSTRAINTS, MT, UNITS, TOK)
                     c_base += 2 * UNITS * 128
                     s_base += 2 * UNITS * 16
                     x_base += 2 * BK
@@ -367,7 +371,7 @@ if HAVE_GLUON:
                     q = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
                     sw = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
                     acc = _decode_mma(q, sw, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
-                                      CONSTRAINTS, WARPS, UNITS, TOK)
+                                      CONSTRAINTS, MT, UNITS, TOK)
                     c_base += UNITS * 128
                     s_base += UNITS * 16
                     x_base += BK
@@ -394,7 +398,7 @@ if HAVE_GLUON:
                 acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
             rows_out = ids.to(gl.int64)[None, :] * stride_om
             if GATED and SPLIT_K == 1:
-                _silu_store(acc, out_ptr, stride_om, ids_ptr, tile0, N, num_rows, WARPS, TOK)
+                _silu_store(acc, out_ptr, stride_om, ids_ptr, tile0, N, num_rows, MT, TOK)
                 if SIGNAL:
                     _signal(done_ptr + pid_m)
             else:
@@ -405,7 +409,7 @@ if HAVE_GLUON:
                     # every split's partials in split order 0, 1, .. (bit-reproducible whoever is last),
                     # applies SiLU(gate) * up and resets the ticket for the next launch
                     _cta_barrier()
-                    tick = tick_ptr + (pid_m * (n_tiles // (WARPS * GROUPS)) + pid_n) * GROUPS + grp
+                    tick = tick_ptr + (pid_m * (n_tiles // (MT * GROUPS)) + pid_n) * GROUPS + grp
                     done = gl.atomic_add(tick, 1, sem="acq_rel", scope="gpu")
                     if done == SPLIT_K - 1:
                         _cta_barrier()
@@ -414,7 +418,7 @@ if HAVE_GLUON:
                             acc += gl.load(out_ptr + s * stride_os + rows_out + w_row[:, None],
                                            mask=row_ok[:, None] & tok_ok[None, :], other=0.0, cache_modifier=".cg")
                         gl.store(tick, 0)
-                        _silu_store(acc, h_ptr, stride_h, ids_ptr, tile0, N, num_rows, WARPS, TOK)
+                        _silu_store(acc, h_ptr, stride_h, ids_ptr, tile0, N, num_rows, MT, TOK)
                         if SIGNAL:
                             _signal(done_ptr + pid_m)
 
@@ -562,12 +566,15 @@ def num_sms(device) -> int:
     return _num_sms(torch.device(device).index or 0)
 
 
-def programs_per_block(w: lay.PackedNvfp4, warps: int = 4) -> int:
+def programs_per_block(w: lay.PackedNvfp4, warps: int = 4, mrep: int = 1) -> int:
+    """CTAs per expert block and K split (launch's warps / mrep adjustment)."""
     T = w.codes.shape[1]
     warps = min(warps, T)
     while T % warps:
         warps //= 2
-    return T // warps
+    while (T // warps) % mrep:
+        mrep //= 2
+    return T // (warps * mrep)
 
 
 # split-K tickets: int32 counters, one buffer per device, zero between launches (each launch's last
@@ -597,7 +604,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
-           pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None):
+           pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None, mrep: int = 1):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -606,7 +613,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     docstring): pdl_trigger lets the next kernel launch at once; pdl_wait launches this one with PDL, its expert ids,
     token ids and first weights loaded before the grid dependency wait, so the previous kernel (the one whose
     output x is) must have been launched without PDL, after those were written. adaptive (tokens = 16): blocks
-    with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units)."""
+    with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units).
+    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -614,14 +622,16 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     warps = min(warps, T)
     while T % warps:
         warps //= 2
-    while (T // warps) % groups:
+    while (T // warps) % mrep:
+        mrep //= 2
+    while (T // (warps * mrep)) % groups:
         groups //= 2
     adaptive = adaptive and tokens == 16
     units8 = units_per_step(U, split, units8 or units) if adaptive else 1
     prefetch8 = adaptive and _can_prefetch(prefetch, w, split, units8)
     prefetch = _can_prefetch(prefetch, w, split, units)
     scales32 = w.scales.view(torch.int32)
-    grid = (num_m_blocks * (T // (warps * groups)), split)
+    grid = (num_m_blocks * (T // (warps * mrep * groups)), split)
     fused = h is not None
     if fused and not (w.gated and split > 1 and grid[0] * groups <= TICKETS):
         raise ValueError(f"the fused split-K reduction needs gated weights, split > 1 and <= {TICKETS} tiles")
@@ -638,7 +648,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
-        ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8,
+        ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8, MREP=mrep,
         num_warps=warps, maxnreg=maxnreg, **({"launch_pdl": True} if pdl_wait else {}))
 
 
@@ -700,7 +710,8 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
                     maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
-                    adaptive: bool = False, units8: int | None = None, prefetch8: bool | None = None):
+                    adaptive: bool = False, units8: int | None = None, prefetch8: bool | None = None,
+                    mrep: int = 1):
     """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch); returns the
     CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -714,7 +725,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
                   WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16, UNITS8=units8 or units,
-                  PREFETCH8=prefetch if prefetch8 is None else prefetch8)
+                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -764,24 +775,24 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
                  tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
                  weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None, adaptive: bool = False,
-                 units8: int | None = None) -> dict:
+                 units8: int | None = None, mrep: int = 1) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
-    consumes: 16 rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
+    consumes: 16 * mrep rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
     the loop, register spills, registers and shared memory of the kernel. adaptive (tokens 16): the kernel holds
     a 16- and an 8-token K loop (units8 units per step, default units); the statistics are the 16-token loop's,
     "per_weight_8" / "smem_ops_in_loop_8" / "loads_before_mma_8" the 8-token loop's."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
                                  tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8)
+                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8)
-    weights = 16 * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
+                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
+    weights = 16 * mrep * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     smem = ("STS", "LDS", "LDSM", "BAR", "STSM")
     if adaptive and tokens == 16:
-        weights8 = 16 * 64 * (units8 or units) // 32 * (2 if prefetch else 1)
+        weights8 = 16 * mrep * 64 * (units8 or units) // 32 * (2 if prefetch else 1)
         st8 = sass_loop_stats(k, "HMMA", weights8, loop_16=False)
         st = sass_loop_stats(k, "HMMA", weights, loop_16=True)
         if st8["ops"]["HMMA"] * 2 * units != st["ops"]["HMMA"] * (units8 or units):
@@ -919,7 +930,8 @@ def persistent_compile_stats(splits: tuple[int, int] = (1, 1)) -> dict:
 
 
 def ptx_operand_wiring(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, tokens: int = 8,
-                       prefetch: bool = DEFAULT_PREFETCH, weight_hint: str = DEFAULT_WEIGHT_HINT) -> dict:
+                       prefetch: bool = DEFAULT_PREFETCH, weight_hint: str = DEFAULT_WEIGHT_HINT, mrep: int = 1,
+                       adaptive: bool = False) -> dict:
     """Where every mma.sync operand of the kernel (compiled for sm_90, no GPU) comes from, checked against the
     packed layout (nvfp4_layout): A registers a0..a3 are the decoded pair j of the lane's code words 0..3
     (cb 0 row g, cb 0 row g + 8, cb 1 row g, cb 1 row g + 8) of one 16-byte load, j the same for all four, and
@@ -930,9 +942,10 @@ def ptx_operand_wiring(gated: bool = True, split: int = 1, units: int = DEFAULT_
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "ptx_operand_wiring", gated=gated, split=split, units=units, tokens=tokens,
-                                prefetch=prefetch, weight_hint=weight_hint)
+                                prefetch=prefetch, weight_hint=weight_hint, mrep=mrep, adaptive=adaptive)
     ptx = compile_offline(gated=gated, split=split, units=units, route_weighted=not gated, tokens=tokens,
-                          prefetch=prefetch, fused_reduce=gated and split > 1, weight_hint=weight_hint).asm["ptx"]
+                          prefetch=prefetch, fused_reduce=gated and split > 1, weight_hint=weight_hint, mrep=mrep,
+                          adaptive=adaptive).asm["ptx"]
     vec = {}  # register -> (its position in a 16-byte load, the load's registers)
     for m in re.finditer(r"ld\.global[\w:.]*\.v4\.b32\s*\{\s*(%r\d+),\s*(%r\d+),\s*(%r\d+),\s*(%r\d+)\s*\}", ptx):
         for i, r in enumerate(m.groups()):
