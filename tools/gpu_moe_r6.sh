@@ -21,9 +21,9 @@ MOE="python3 -m linrnn_bench.kernels.moe --variants $VARIANTS --sets 3 --rep ${R
 echo "commit ${LINRNN_COMMIT:-?}"
 case "$1" in
 layer)
-  timeout ${T_TESTS:-85} python3 -m pytest -q -n ${NPROC:-3} -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
+  timeout ${T_TESTS:-90} python3 -m pytest -q -n ${NPROC:-4} -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
     --junitxml=$R/test_nvfp4_mma_gpu.xml > $R/tests.log 2>&1; el tests; tail -1 $R/tests.log; grep -E "^(FAILED|ERROR)" $R/tests.log | head -5
-  timeout ${T_BENCH:-135} $MOE --mma-candidates "${CANDIDATES:-default,16-token fixed,2 row tiles per warp,2 row tiles per warp 1 unit,2 row tiles per warp 8-token blocks,2 row tiles per warp 16-token fixed,8 warps}" \
+  timeout ${T_BENCH:-130} $MOE --mma-candidates "${CANDIDATES:-default,16-token fixed,2 row tiles per warp,2 row tiles per warp 1 unit,2 row tiles per warp 8-token blocks,2 row tiles per warp 16-token fixed,8 warps}" \
     --out $R/moe > $R/moe.log 2>&1; el moe
   quiet < $R/moe.log | grep -E "^\| [0-9]+ \| [0-9]+ \| |^- B=(1|64|128|256) " | head -14
   grep -A9 "layer time per variant" $R/moe/moe_*.md | tail -7
