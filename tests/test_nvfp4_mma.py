@@ -31,10 +31,11 @@ CUDA = torch.cuda.is_available()
 # hint; the fused split-K reduction's tile 2.47, 2 units 2.37, 4 units without prefetch 2.44; the 16-token
 # tile 2.78-2.80 at 62 registers (was 79). Budget: 2.5 at 8 tokens, 2.85 at 16. The adaptive 16-token kernel
 # (experts.MMA_ADAPTIVE_16: a 16- and an 8-token K loop in one kernel, 62 registers) compiles its 16-token loop to
-# 183 per 64 weights = 2.86 on triton 3.9 (address arithmetic the standalone loop folds), its 8-token loop to the
-# standalone 2.42: budget 2.9 for that 16-token loop.
+# 183 per 64 weights = 2.86 on triton 3.9 (address arithmetic the standalone loop folds; 3.00 on triton 3.6, the
+# benchmark's column on the H200), its 8-token loop to the standalone 2.42 (2.53 on 3.6): budget 3.0 for that
+# 16-token loop, 2.5 for its 8-token loop on 3.9 (the 8-token budget).
 def ipw_budget(tokens: int, adaptive: bool = False) -> float:
-    return 2.5 if tokens == 8 else (2.9 if adaptive else 2.85)
+    return 2.5 if tokens == 8 else (3.0 if adaptive else 2.85)
 
 
 def _random_nvfp4(E, n, k, gen, zero_frac=0.05):
@@ -256,6 +257,26 @@ def test_sm90_compile_pdl_order(gated, split, maxnreg, wait):
     assert st["spill_ops"] == 0 and st["smem_ops_in_loop"] == 0 and st["regs"] <= (maxnreg or 64), st
 
 
+@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
+@pytest.mark.parametrize("B", [1, 16])
+def test_bench_mma_ipw_and_candidates(B):
+    """The `moe` benchmark's instructions-per-weight column (the default tile at B tokens, compiled for sm_90 on the
+    CPU) and its candidate table: every MMA_CANDIDATES entry is a set of moe_experts_mma keywords (a typo would only
+    fail on the GPU, after the machine was paid for)."""
+    import inspect
+
+    from linrnn_bench.kernels import moe as bench
+
+    E, k, H, I = 16, 8, 512, 256  # small experts (the tile and split-K follow the pairs per expert: B = 16 -> 8)
+    w13, w2 = _weights(E, H, I, "cpu")
+    cell = bench.mma_ipw(B * k, w13, w2, num_sms=132)
+    parts = cell.split(" / ")
+    assert len(parts) == 2 and all(0 < float(p.split()[0]) <= ipw_budget(16, True) for p in parts), cell
+    params = set(inspect.signature(experts.moe_experts_mma).parameters)
+    for key, opts in bench.MMA_CANDIDATES.items():
+        assert "," not in key and set(opts) <= params, (key, opts)
+
+
 def test_split_k_fills_sms():
     assert nvfp4_mma.split_k(32, 8 * 16, 132) == 4  # B = 1 gate_up: 8 experts x 16 CTAs
     assert nvfp4_mma.split_k(8, 8 * 32, 132) == 2   # B = 1 down
@@ -422,9 +443,11 @@ def test_mma_tiles_bitwise_equal(nan_buffers, B):
                 y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, units=units,
                                             prefetch=prefetch, maxnreg=maxnreg, adaptive=adaptive, mrep=1)
                 assert torch.equal(y, y0), (tokens, adaptive, units, prefetch, maxnreg)
+    # fewer, longer CTAs pick a deeper split-K at small batches (another summation order): the default's splits here
+    splits = experts.mma_splits(B * k, w13.packed, w2.packed, nvfp4_mma.num_sms("cuda"))
     for tokens, units, mrep, warps in ((8, 1, 2, 4), (8, 2, 2, 4), (16, 1, 2, 4), (8, 1, 1, 8), (16, 1, 1, 8)):
         y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, units=units, maxnreg=0,
-                                    mrep=mrep, warps=warps)
+                                    mrep=mrep, warps=warps, splits=splits)
         assert torch.equal(y, y0), (tokens, units, mrep, warps)
 
 

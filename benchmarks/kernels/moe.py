@@ -467,15 +467,15 @@ MMA_CANDIDATES = {
 }
 
 
-def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor) -> str:
+def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor, num_sms: int | None = None) -> str:
     """SASS instructions per weight of the K loops moe_experts_mma runs for num_pairs pairs (its tile and split-K
-    per GEMM; sm_90 compile): "gate_up / down"."""
+    per GEMM; sm_90 compile): "gate_up / down" (num_sms: the device's where not given)."""
     from linrnn_kernels.moe import nvfp4_mma
 
     p13, p2 = w13.packed, w2.packed
     E = p13.codes.shape[0]
-    splits = experts.mma_splits(num_pairs, p13, p2, nvfp4_mma.num_sms(w13.data.device), mrep=mrep)
     units, maxnreg, mrep = experts.mma_tile(num_pairs, E)
+    splits = experts.mma_splits(num_pairs, p13, p2, num_sms or nvfp4_mma.num_sms(w13.data.device), mrep=mrep)
     out = []
     for p, sp in zip((p13, p2), splits):
         u = nvfp4_mma.units_per_step(p.codes.shape[2], sp, units)

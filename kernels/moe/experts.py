@@ -296,10 +296,15 @@ N_FASTEST_MAX_MEAN_PAIRS = 4
 MMA_16_MIN_MEAN_PAIRS = 8
 
 
-# 16-token expert blocks whose slots 8..15 are all padding (an expert with <= 8 tokens) run the 8-token tile on
-# their first 8 slots (nvfp4_mma ADAPT, in the same launch): at B = 256 (8 pairs per expert on average, realistic
-# routing) about half the experts have <= 8 tokens and paid the 16-token tile's doubled MMAs and activation loads
-MMA_ADAPTIVE_16 = True
+# Adaptive 16-token tile (off by default): 16-token expert blocks whose slots 8..15 are all padding (an expert with
+# <= 8 tokens) run the 8-token K loop on their first 8 slots (nvfp4_mma ADAPT, in the same launch; the same bits). At
+# B = 256 (8 pairs per expert on average, realistic routing) about half the experts have <= 8 tokens, yet the layer
+# did not move: H200, one 35B-A3B layer, one run (benchmarks/results/kernels/moe/round6/): 190.8 us adaptive vs 190.0
+# fixed; its 8-token loop at 2 units per step 192.3, with a register budget of 80 200.9 (6 CTAs per SM). Triton 3.6
+# compiles the two-loop kernel's loops to 3.00 / 2.53 SASS instructions per weight (16 / 8 tokens; 2.78 / 2.41 alone).
+# At this batch the kernel follows the weight bytes in flight per SM (resident warps x bytes per warp), not the
+# instructions per block (round6/README.md).
+MMA_ADAPTIVE_16 = False
 # units per K step of the adaptive kernel's 8-token loop (None: the tile's units, mma_tile)
 MMA_ADAPTIVE_UNITS8 = None
 
@@ -317,7 +322,9 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
 # in one run (benchmarks/results/kernels/moe/round4/): 24.2 vs 26.7 us at B = 1 (MMA kernel 10.4 vs 13.1), 49.9 vs 52.8
 # at 8, 156.6 vs 163.6 at 128 (2 units at B = 32 / 64: +5.0 / +4.3 us here, -7.0 / -3.7 in round 3's run: not settled);
 # engine 2.315 / 4.166 / 13.689 vs 2.416 / 4.258 / 13.997 ms per step at npl 1 / 8 / 128. B = 2-7 not measured.
-# Fourth column: 16-row tiles per warp (mrep).
+# Fourth column: 16-row tiles per warp (mrep; nvfp4_mma MREP): 2 doubles the weight bytes a warp has in flight and
+# halves the activation loads per weight (72 registers at 8 tokens, 1 unit: 7 CTAs of 4 warps per SM; 88 at 16 tokens),
+# GPU-tested bitwise equal to 1 but not yet timed (the benchmark's "2 row tiles per warp" candidates): 1 everywhere.
 MMA_TILES = ((0, 1, 80, 1), (0.25, 2, 0, 1), (8, 1, 0, 1))
 
 

@@ -24,6 +24,13 @@ shared-expert down projection) adds them with the top-k combine. No float atomic
 reproducible, CUDA graphs on or off. Gated (w13) tiles hold 8 gate + 8 up rows so SiLU * up needs no
 exchange. Weight loads carry an evict-first L2 hint (WEIGHT_HINTS).
 
+Two tile options, both off by default (experts.MMA_ADAPTIVE_16, experts.MMA_TILES; bitwise the same results, GPU-tested):
+- adaptive (ADAPT, 16-token blocks): a block whose slots 8..15 are all padding runs the 8-token K loop on its first 8
+  slots, in the same launch (one kernel, two K loops; measured no faster at B = 256, round6/).
+- mrep (MREP): 16-row tiles per warp; the MMA layout repeats along M in registers (row tile i of a CTA is warp
+  i % WARPS's (i // WARPS)-th), so one activation load feeds mrep tiles' MMAs and a warp has mrep code loads in flight
+  per K step; the regrouping of the decoded tile into the operand layout stays trivial (asserted).
+
 `launch_persistent` runs both GEMMs in one persistent launch (work items from an integer counter, down
 tiles waiting on their block's gate_up tiles); measured slower than the two launches on the H200 at
 most batch sizes (results/kernels/moe/MMA.md), so not the default.
