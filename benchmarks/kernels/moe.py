@@ -464,6 +464,8 @@ MMA_CANDIDATES = {
     "2 row tiles per warp 8-token blocks": {"mrep": 2, "tokens": 8, "units": 1, "maxnreg": 0},
     "2 row tiles per warp 16-token fixed": {"mrep": 2, "tokens": 16, "units": 1, "maxnreg": 0, "adaptive": False},
     "8 warps": {"warps": 8},
+    # the B = 8-128 tile (8-token blocks, 2 units per step: 56 registers, 9 CTAs per SM) at any batch
+    "8-token blocks 2 units": {"tokens": 8, "units": 2, "maxnreg": 0},
 }
 
 
