@@ -14,7 +14,7 @@
 OUT=${OUT:-/tmp/out}; W=$OUT; mkdir -p $W
 echo "commit ${LINRNN_COMMIT:-unknown}, $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader)" | tee $W/report.md
 BUDGET=${BUDGET:-232}
-if [ -z "${SKIP_BATCHED-}" ]; then
+if [ -z "${SKIP_BATCHED-}" ] && [ -z "${BATCHED_DONE-}" ]; then  # BATCHED_DONE: $OUT/batched/ exists (its first config f32)
   timeout ${TA:-100} python3 -m linrnn_serve bench batched --load-format dummy --npp 128 --ntg 128 --npl 1,64 \
     --config "model=qwen35moe-nvfp4" --no-progress --out $W/batched --max-num-batched-tokens 8192 > $W/batched.log 2>&1
   echo "[$SECONDS s] batched: rc $?" | tee -a $W/report.md
