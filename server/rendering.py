@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import anyio
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from linrnn_server.errors import APIError, bad_request
 from linrnn_server.protocol import ChatMessage
+from linrnn_server.serving import cancel_on_disconnect
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
@@ -55,19 +55,7 @@ class EventStreamResponse(StreamingResponse):
         spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
         if scope["type"] != "http" or spec >= (2, 4):  # no disconnect listener needed: Starlette's own path
             return await super().__call__(scope, receive, send)
-        try:
-            async with anyio.create_task_group() as tg:
-                async def until_disconnect() -> None:
-                    await self.listen_for_disconnect(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(until_disconnect)
-                await self.stream_response(send)
-                tg.cancel_scope.cancel()
-        except BaseExceptionGroup as group:  # anyio groups the route task's own error too: raise it as itself
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+        await cancel_on_disconnect(receive, self.stream_response(send))  # a disconnect ends the body quietly
         if self.background is not None:
             await self.background()
 
