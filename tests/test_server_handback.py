@@ -127,3 +127,13 @@ def test_generation_routes_skip_the_router(api_key):
         assert c.post("/tokenize", headers=ok, json={"prompt": "hi"}).json()["count"] == 2
         assert router.calls == [("GET", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/tokenize")]
     assert len(engine.submitted) == 2
+
+
+def test_server_cpu_tool():
+    """benchmarks/server_cpu.py (the CPU per wave phase of the README's table) runs and sees one write per
+    finished stream."""
+    from linrnn_bench.server_cpu import PHASES, measure
+
+    r = asyncio.run(measure(requests=4, rounds=1, settle_s=0.005))
+    assert set(r["cpu"]) == set(PHASES) and all(v["min_ms"] > 0 for v in r["cpu"].values())
+    assert r["body_messages_per_finished_stream"] == 1
