@@ -6,7 +6,8 @@
 `engine` is an AsyncMPClient (the engine core in its own process, what `linrnn-serve` uses), an
 in-process AsyncLLMEngine, or anything with their interface (generate / abort / tokenizer /
 stats / shutdown). A RequestGuard (guard.py) in front of the routes refuses oversized bodies (413)
-and, while the server drains, new requests (503). Graceful shutdown: `app.state.server.drain(t)`
+and, while the server drains, new requests (503). Behind it DirectRoutes hands POST /v1/completions and
+/v1/chat/completions straight to their endpoints (the hot path: no FastAPI routing per request). Graceful shutdown: `app.state.server.drain(t)`
 (called by cli.py on SIGINT / SIGTERM) lets in-flight requests finish, aborts what is left with a
 final chunk; the lifespan's end then stops the engine.
 """
