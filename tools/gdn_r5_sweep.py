@@ -24,16 +24,20 @@ import torch
 
 # name: (module, DecodeConfig fields replacing decode_config's, or None for its default). The variants of the
 # round-5 sweep (tensor-core bf16 tiles, 8 warps, [Dk, 128], register caps: all measured slower) are kept in
-# benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on. Round 6: the L2 prefetch
-# of a later program's tile (DecodeConfig.prefetch: distance in waves of resident programs), every state fraction; its
-# other distances and the bulk prefetch, all slower, in bf16_round6/variants/.
+# benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on, round 6's (L2 prefetch
+# distances) in bf16_round6/variants/. Round 7: the packed bf16 tile (DecodeConfig.packed) at the launch shapes its
+# registers allow (sm_90, triton 3.6: 64x4 128 regs -> 4 programs per SM, r96 -> 5 without spills, 128x4 168 -> 3,
+# 128x8 127 -> 2, 64x8 r64 -> 4 of 8 warps with 44 B spills).
 VARIANTS = {
     "main": ("decode_main", None),
     "new": ("decode", None),
-    "pf0.5": ("decode", {"prefetch": 0.5}),
-    "pf1": ("decode", {"prefetch": 1}),
+    "pk64x4": ("decode", {"packed": True}),
+    "pk64x4r96": ("decode", {"packed": True, "maxnreg": 96}),
+    "pk128x4": ("decode", {"packed": True, "bv": 128}),
+    "pk128x8": ("decode", {"packed": True, "bv": 128, "num_warps": 8}),
+    "pk64x8r64": ("decode", {"packed": True, "num_warps": 8, "maxnreg": 64}),
 }
-HYBRID_OK = tuple(VARIANTS)
+HYBRID_OK = ("main", "new", "pk64x4", "pk128x4")  # the rest only where every head is bf16
 
 
 def call(name, q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx):
@@ -74,7 +78,7 @@ def check(names) -> list[str]:
                     and torch.equal(bf.view(torch.int16), bm.view(torch.int16)))
             tol_o = 1e-5 if dtype == torch.float32 and f == 1.0 else 1e-2
             # with main's tile shapes every output and state byte equals main's (the same tile code)
-            main_tiles = not {"bv", "num_warps"} & set(VARIANTS[name][1] or {})
+            main_tiles = not {"bv", "num_warps", "packed"} & set(VARIANTS[name][1] or {})
             ok = (e[0] <= tol_o and e[1] <= 1e-5 and e[2] <= 1e-2 and untouched and (f32_same or not main_tiles)
                   and (same or not main_tiles))
             print(f"{'ok' if ok else 'FAIL'} {name} f32={f:.0%} B={B} act={str(dtype)[6:]}: vs naive o/f32/bf16 "
@@ -101,7 +105,7 @@ def bench(names, batches, fractions, iters, out) -> list[dict]:
             f32, bf, isb, loc = make_pools(mask, slots)
             # capped registers only matter for bf16-only launches (a hybrid launch spills its f32 tiles); the
             # bf16 options leave an all-f32 launch's kernel unchanged
-            run = [n for n in names if f == 0.0 or n in HYBRID_OK]
+            run = [n for n in names if f == 0.0 or (n in HYBRID_OK and (f < 1.0 or n in ("main", "new")))]
             run += [n + " queued" for n in ("main", "new") if n in names and f != 0.5]
             for _pass in range(2):  # better of two interleaved passes
                 for name in run:
