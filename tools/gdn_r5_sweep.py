@@ -25,19 +25,19 @@ import torch
 # name: (module, DecodeConfig fields replacing decode_config's, or None for its default). The variants of the
 # round-5 sweep (tensor-core bf16 tiles, 8 warps, [Dk, 128], register caps: all measured slower) are kept in
 # benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on, round 6's (L2 prefetch
-# distances) in bf16_round6/variants/. Round 7: the packed bf16 tile (DecodeConfig.packed) at the launch shapes its
-# registers allow (sm_90, triton 3.6: 64x4 128 regs -> 4 programs per SM, r96 -> 5 without spills, 128x4 168 -> 3,
-# 128x8 127 -> 2, 64x8 r64 -> 4 of 8 warps with 44 B spills).
+# distances) in bf16_round6/variants/. Round 7: the packed bf16 tile (DecodeConfig.packed; 1: o from the old state as
+# the FMA tile, 2: o from the updated tile) at the launch shapes its registers allow (sm_90, triton 3.6: pk1 128 regs ->
+# 4 programs per SM, pk2 96 -> 5, pk2r80 -> 6 with 80 B spills, pk1w128 [Dk, 128] 168 -> 3, pk2x8r64 8 warps -> 4).
 VARIANTS = {
     "main": ("decode_main", None),
     "new": ("decode", None),
-    "pk64x4": ("decode", {"packed": True}),
-    "pk64x4r96": ("decode", {"packed": True, "maxnreg": 96}),
-    "pk128x4": ("decode", {"packed": True, "bv": 128}),
-    "pk128x8": ("decode", {"packed": True, "bv": 128, "num_warps": 8}),
-    "pk64x8r64": ("decode", {"packed": True, "num_warps": 8, "maxnreg": 64}),
+    "pk1": ("decode", {"packed": 1}),
+    "pk2": ("decode", {"packed": 2}),
+    "pk2r80": ("decode", {"packed": 2, "maxnreg": 80}),
+    "pk1w128": ("decode", {"packed": 1, "bv": 128}),
+    "pk2x8r64": ("decode", {"packed": 2, "num_warps": 8, "maxnreg": 64}),
 }
-HYBRID_OK = ("main", "new", "pk64x4", "pk128x4")  # the rest only where every head is bf16
+HYBRID_OK = ("main", "new", "pk2")  # the others only where every head is bf16
 
 
 def call(name, q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx):

@@ -70,7 +70,7 @@ class DecodeConfig(NamedTuple):
     maxnreg: int | None = None
     partition_major: bool | None = None
     prefetch: float = 0
-    packed: bool = False
+    packed: int = 0
 
 
 @triton.jit
@@ -167,7 +167,7 @@ def _bf16_packed_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, 
                         stride_a_tok, stride_b_tok, scale,
                         HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr,
                         LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
-                        STORE_CACHE: tl.constexpr):
+                        STORE_CACHE: tl.constexpr, O_FROM_NEW: tl.constexpr):
     """_head_update for a bf16 tile held packed: the [DK, BV] tile is loaded as [DK, BV / 2] 32-bit words (two
     adjacent columns each) and widened twice from them, per use (the Dk sums, then the update), so the registers
     holding a program's in-flight state cost 2 bytes per element, not 4. Even and odd columns are separate f32 tiles;
@@ -193,17 +193,26 @@ def _bf16_packed_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, 
     r_q = tl.rsqrt(qq + 1e-6) * scale
     r_k = tl.rsqrt(kk + 1e-6)
     s_lo, s_hi = _unpack_bf16x2(w, False)
-    sk_lo, sk_hi, sq_lo, sq_hi = tl.reduce((s_lo * b_k[:, None], s_hi * b_k[:, None], s_lo * b_q[:, None],
-                                            s_hi * b_q[:, None]), 0, _add4)
+    if O_FROM_NEW:  # pass 1 sums S^T k only; o = S'^T q from the updated f32 tile in pass 2 (fewer live registers)
+        sk_lo, sk_hi = tl.reduce((s_lo * b_k[:, None], s_hi * b_k[:, None]), 0, _add2)
+    else:
+        sk_lo, sk_hi, sq_lo, sq_hi = tl.reduce((s_lo * b_k[:, None], s_hi * b_k[:, None], s_lo * b_q[:, None],
+                                                s_hi * b_q[:, None]), 0, _add4)
     u_lo = beta * (v_lo - decay * r_k * sk_lo)
     u_hi = beta * (v_hi - decay * r_k * sk_hi)
     o_row = o + (i_b * HV + i_h) * DV + o_v
-    tl.store(o_row, (decay * r_q * sq_lo + (kq * r_k * r_q) * u_lo).to(o.dtype.element_ty))
-    tl.store(o_row + 1, (decay * r_q * sq_hi + (kq * r_k * r_q) * u_hi).to(o.dtype.element_ty))
+    if not O_FROM_NEW:
+        tl.store(o_row, (decay * r_q * sq_lo + (kq * r_k * r_q) * u_lo).to(o.dtype.element_ty))
+        tl.store(o_row + 1, (decay * r_q * sq_hi + (kq * r_k * r_q) * u_hi).to(o.dtype.element_ty))
     s_lo, s_hi = _unpack_bf16x2(w, True)
     kr = (b_k * r_k)[:, None]
-    w = _pack_bf16x2(s_lo * decay + kr * u_lo[None, :], s_hi * decay + kr * u_hi[None, :])
-    tl.store(ptrs, w, eviction_policy=STORE_EVICT, cache_modifier=STORE_CACHE)
+    n_lo = s_lo * decay + kr * u_lo[None, :]
+    n_hi = s_hi * decay + kr * u_hi[None, :]
+    tl.store(ptrs, _pack_bf16x2(n_lo, n_hi), eviction_policy=STORE_EVICT, cache_modifier=STORE_CACHE)
+    if O_FROM_NEW:
+        sq_lo, sq_hi = tl.reduce((n_lo * b_q[:, None], n_hi * b_q[:, None]), 0, _add2)
+        tl.store(o_row, (r_q * sq_lo).to(o.dtype.element_ty))
+        tl.store(o_row + 1, (r_q * sq_hi).to(o.dtype.element_ty))
 
 
 @triton.jit
@@ -276,7 +285,7 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                        BF16_BLOCK: tl.constexpr, LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr,
                        STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr, n_programs, pf_dist,
-                       PREFETCH: tl.constexpr, PACKED: tl.constexpr = False):
+                       PREFETCH: tl.constexpr, PACKED: tl.constexpr = 0):
     """Program p of n_programs of one partition (B x n_heads x Dv tiles, Dv tiles fastest): the tile's address
     needs only the slot; the natural head (for q/k/v/gates) comes from the head map in parallel. PREFETCH: L2
     prefetch of the tile of program p + pf_dist of the same partition."""
@@ -289,11 +298,11 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
     i_h = _natural_head(head_is_bf16, head_local, j, IS_BF16, HV)
     pf_base, pf_iv, pf_on = _future_tile(p + pf_dist, n_programs, n_heads, state_indices, head_local, stride_slot,
                                          DK, DV, NV, False, PREFETCH)
-    if IS_BF16 and PACKED:
+    if IS_BF16 and PACKED != 0:
         _bf16_packed_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                             stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
-                            STORE_EVICT, STORE_CACHE)
+                            STORE_EVICT, STORE_CACHE, PACKED == 2)
     else:
         _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
                      stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
@@ -349,11 +358,11 @@ def _gdn_decode_kernel(
             is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
                                               DK, DV)
         if is_bf16 != 0:
-            if PACKED:
+            if PACKED != 0:
                 _bf16_packed_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
                                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
                                     stride_v_head, stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK,
-                                    LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE)
+                                    LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE, PACKED == 2)
             else:
                 _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
                              stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
@@ -430,7 +439,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
         nf, nb, B * nf * nv, n_programs, pf_dist, Dk ** -0.5,
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major, BF16_BLOCK=bf16_block(Dv),
-        PREFETCH=prefetch, PACKED=bool(cfg.packed),
+        PREFETCH=prefetch, PACKED=int(cfg.packed),
         ALL_BF16=nf == 0,
         **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
