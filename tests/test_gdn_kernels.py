@@ -222,18 +222,6 @@ def test_decode_blocked_bf16_layout(poison_empty, kind, bv):
                    config=(bv, 4 if bv >= 64 else 2, "evict_first", "evict_first", None, major))
 
 
-@pytest.mark.parametrize("kind", ["0.5", "bf16"])
-@pytest.mark.parametrize("bv", [16, 64, 128])
-@pytest.mark.parametrize("packed", [1, 2])
-def test_decode_packed_bf16_tile(poison_empty, kind, bv, packed):
-    """The packed bf16 tile (DecodeConfig.packed: 32-bit words, widened per use) vs the naive reference, narrower
-    than, equal to and wider than a bf16 block, both program orders, bf16 and f32 activations; unused slots NaN."""
-    for major, dtype in ((None, torch.float32), (False, torch.bfloat16)):
-        run_decode(BLOCKED, 3, kind, dtype, KERNEL_DEVICE,
-                   config=decode_k.DecodeConfig(bv, 4 if bv >= 64 else 2, "evict_first", "evict_first", None, major,
-                                                packed=packed))
-
-
 def decode_prefetch_is_bit_identical(shape, B, kind, major, monkeypatch, device):
     """The L2 prefetch of a later program's tile (DecodeConfig.prefetch) changes no byte: outputs
     and both partitions equal the same launch without it, and it matches the naive reference with unused slots NaN.
@@ -526,17 +514,6 @@ def test_gpu_decode_full_shapes(poison_empty, B, kind, dtype):
 def test_gpu_decode_tile_configs(poison_empty, config):
     """Every DecodeConfig the benchmark sweeps is correct."""
     run_decode(FULL, 8, "0.5", torch.float32, "cuda", config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["bf16", "0.5"])
-@pytest.mark.parametrize("shape", [(64, 4, None, 1), (64, 4, None, 2), (64, 4, 80, 2), (128, 4, None, 1), (64, 8, 64, 2)])
-def test_gpu_decode_packed_bf16_tile(poison_empty, kind, shape):
-    """The packed bf16 tile (the inline-PTX unpack / pack) at 35B-A3B shapes vs the naive reference."""
-    bv, warps, maxnreg, packed = shape
-    for dtype in (torch.float32, torch.bfloat16):
-        run_decode(FULL, 64, kind, dtype, "cuda", config=decode_k.DecodeConfig(
-            bv, warps, "evict_first", "evict_first", maxnreg, packed=packed))
 
 
 @pytest.mark.gpu

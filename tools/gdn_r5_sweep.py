@@ -24,20 +24,16 @@ import torch
 
 # name: (module, DecodeConfig fields replacing decode_config's, or None for its default). The variants of the
 # round-5 sweep (tensor-core bf16 tiles, 8 warps, [Dk, 128], register caps: all measured slower) are kept in
-# benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on, round 6's (L2 prefetch
-# distances) in bf16_round6/variants/. Round 7: the packed bf16 tile (DecodeConfig.packed; 1: o from the old state as
-# the FMA tile, 2: o from the updated tile) at the launch shapes its registers allow (sm_90, triton 3.6: pk1 128 regs ->
-# 4 programs per SM, pk2 96 -> 5, pk2r80 -> 6 with 80 B spills, pk1w128 [Dk, 128] 168 -> 3, pk2x8r64 8 warps -> 4).
+# benchmarks/results/kernels/gdn-decode/bf16_round5/variants/ with the kernel they ran on. Round 6: the L2 prefetch
+# of a later program's tile (DecodeConfig.prefetch: distance in waves of resident programs), every state fraction; its
+# other distances and the bulk prefetch, all slower, in bf16_round6/variants/.
 VARIANTS = {
     "main": ("decode_main", None),
     "new": ("decode", None),
-    "pk1": ("decode", {"packed": 1}),
-    "pk2": ("decode", {"packed": 2}),
-    "pk2r80": ("decode", {"packed": 2, "maxnreg": 80}),
-    "pk1w128": ("decode", {"packed": 1, "bv": 128}),
-    "pk2x8r64": ("decode", {"packed": 2, "num_warps": 8, "maxnreg": 64}),
+    "pf0.5": ("decode", {"prefetch": 0.5}),
+    "pf1": ("decode", {"prefetch": 1}),
 }
-HYBRID_OK = ("main", "new", "pk2")  # the others only where every head is bf16
+HYBRID_OK = tuple(VARIANTS)
 
 
 def call(name, q, k, v, a, b, A_log, dt_bias, f32, bf, isb, loc, idx):
@@ -78,7 +74,7 @@ def check(names) -> list[str]:
                     and torch.equal(bf.view(torch.int16), bm.view(torch.int16)))
             tol_o = 1e-5 if dtype == torch.float32 and f == 1.0 else 1e-2
             # with main's tile shapes every output and state byte equals main's (the same tile code)
-            main_tiles = not {"bv", "num_warps", "packed"} & set(VARIANTS[name][1] or {})
+            main_tiles = not {"bv", "num_warps"} & set(VARIANTS[name][1] or {})
             ok = (e[0] <= tol_o and e[1] <= 1e-5 and e[2] <= 1e-2 and untouched and (f32_same or not main_tiles)
                   and (same or not main_tiles))
             print(f"{'ok' if ok else 'FAIL'} {name} f32={f:.0%} B={B} act={str(dtype)[6:]}: vs naive o/f32/bf16 "
@@ -105,7 +101,7 @@ def bench(names, batches, fractions, iters, out) -> list[dict]:
             f32, bf, isb, loc = make_pools(mask, slots)
             # capped registers only matter for bf16-only launches (a hybrid launch spills its f32 tiles); the
             # bf16 options leave an all-f32 launch's kernel unchanged
-            run = [n for n in names if f == 0.0 or (n in HYBRID_OK and (f < 1.0 or n in ("main", "new")))]
+            run = [n for n in names if f == 0.0 or n in HYBRID_OK]
             run += [n + " queued" for n in ("main", "new") if n in names and f != 0.5]
             for _pass in range(2):  # better of two interleaved passes
                 for name in run:

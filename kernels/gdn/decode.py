@@ -35,6 +35,8 @@ the bf16 tile code (ALL_BF16: 920 instead of 1688 sm_90 instructions with triton
 records Nsight Compute's view of the bf16 programs and the tensor-core bf16 tile, measured no faster and removed).
 bf16_round6/: an L2 prefetch of a later program's tile (holds no registers) slows bf16 and hybrid launches; it
 speeds all-f32 launches at B >= 128 by 4-6 % and stays an opt-in DecodeConfig.prefetch (_prefetch_tile).
+bf16_round7/: the bf16 tile held packed (32-bit words, widened per use: 96 registers -> 5 programs per SM, or a
+[Dk, 128] tile at 3 per SM) measured no faster at B = 64 (more bf16 programs per SM are slower), removed.
 """
 from __future__ import annotations
 
@@ -70,7 +72,6 @@ class DecodeConfig(NamedTuple):
     maxnreg: int | None = None
     partition_major: bool | None = None
     prefetch: float = 0
-    packed: int = 0
 
 
 @triton.jit
@@ -132,92 +133,6 @@ def _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i
     tl.store(o + (i_b * HV + i_h) * DV + o_v, b_o.to(o.dtype.element_ty))
     tl.store(ptrs, s.to(pool.dtype.element_ty), eviction_policy=STORE_EVICT,
              cache_modifier=STORE_CACHE)
-
-
-@triton.jit
-def _unpack_bf16x2(w, AGAIN: tl.constexpr):
-    """(low, high) bf16 halves of packed 32-bit words as f32 (exact: a bf16 is the top half of its f32). AGAIN: a
-    second unpack of the same words, written as non-pure PTX so that the compiler cannot merge it with the first and
-    keep the widened tile live in between (the point of the packed tile: the in-flight bytes stay 2 per element)."""
-    if AGAIN and not _INTERPRET:
-        lo = tl.inline_asm_elementwise("shl.b32 $0, $1, 16;", "=r,r", [w], dtype=tl.int32, is_pure=False, pack=1)
-        hi = tl.inline_asm_elementwise("and.b32 $0, $1, 0xffff0000;", "=r,r", [w], dtype=tl.int32, is_pure=False,
-                                       pack=1)
-    else:
-        lo = w << 16
-        hi = w & -65536
-    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pack_bf16x2(lo, hi):
-    """Round two f32 tiles to bf16 (nearest even) and pack them, lo in the low half of each word."""
-    if _INTERPRET:
-        lo16 = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
-        hi16 = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-        return (hi16 << 16) | lo16
-    else:
-        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
-def _bf16_packed_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_hk, i_v,
-                        stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                        stride_a_tok, stride_b_tok, scale,
-                        HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BLOCK: tl.constexpr,
-                        LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr,
-                        STORE_CACHE: tl.constexpr, O_FROM_NEW: tl.constexpr):
-    """_head_update for a bf16 tile held packed: the [DK, BV] tile is loaded as [DK, BV / 2] 32-bit words (two
-    adjacent columns each) and widened twice from them, per use (the Dk sums, then the update), so the registers
-    holding a program's in-flight state cost 2 bytes per element, not 4. Even and odd columns are separate f32 tiles;
-    the math is _head_update's, per column."""
-    BW: tl.constexpr = BV // 2
-    o_k = tl.arange(0, DK)
-    o_w = tl.arange(0, BW)
-    words = pool.to(tl.pointer_type(tl.int32), bitcast=True)
-    # the pool in words is the same blocked layout with half the columns (base and tile offsets are even)
-    ptrs = words + base // 2 + state_tile_base(i_v, BW, DK, BLOCK // 2) + state_tile_offsets(i_v, BW, DK, DV // 2,
-                                                                                             BLOCK // 2)
-    w = tl.load(ptrs, eviction_policy=LOAD_EVICT, cache_modifier=LOAD_CACHE)
-    b_q = tl.load(q + i_b * stride_q_tok + i_hk * stride_q_head + o_k).to(tl.float32)
-    b_k = tl.load(k + i_b * stride_k_tok + i_hk * stride_k_head + o_k).to(tl.float32)
-    o_v = i_v * BV + 2 * o_w
-    v_row = v + i_b * stride_v_tok + i_h * stride_v_head + o_v
-    v_lo = tl.load(v_row).to(tl.float32)
-    v_hi = tl.load(v_row + 1).to(tl.float32)
-    g, beta = gates(tl.load(a + i_b * stride_a_tok + i_h), tl.load(b + i_b * stride_b_tok + i_h),
-                    tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32))
-    decay = tl.exp(g)
-    qq, kk, kq = tl.reduce((b_q * b_q, b_k * b_k, b_q * b_k), 0, _add3)
-    r_q = tl.rsqrt(qq + 1e-6) * scale
-    r_k = tl.rsqrt(kk + 1e-6)
-    s_lo, s_hi = _unpack_bf16x2(w, False)
-    if O_FROM_NEW:  # pass 1 sums S^T k only; o = S'^T q from the updated f32 tile in pass 2 (fewer live registers)
-        sk_lo, sk_hi = tl.reduce((s_lo * b_k[:, None], s_hi * b_k[:, None]), 0, _add2)
-    else:
-        sk_lo, sk_hi, sq_lo, sq_hi = tl.reduce((s_lo * b_k[:, None], s_hi * b_k[:, None], s_lo * b_q[:, None],
-                                                s_hi * b_q[:, None]), 0, _add4)
-    u_lo = beta * (v_lo - decay * r_k * sk_lo)
-    u_hi = beta * (v_hi - decay * r_k * sk_hi)
-    o_row = o + (i_b * HV + i_h) * DV + o_v
-    if not O_FROM_NEW:
-        tl.store(o_row, (decay * r_q * sq_lo + (kq * r_k * r_q) * u_lo).to(o.dtype.element_ty))
-        tl.store(o_row + 1, (decay * r_q * sq_hi + (kq * r_k * r_q) * u_hi).to(o.dtype.element_ty))
-    s_lo, s_hi = _unpack_bf16x2(w, True)
-    kr = (b_k * r_k)[:, None]
-    n_lo = s_lo * decay + kr * u_lo[None, :]
-    n_hi = s_hi * decay + kr * u_hi[None, :]
-    tl.store(ptrs, _pack_bf16x2(n_lo, n_hi), eviction_policy=STORE_EVICT, cache_modifier=STORE_CACHE)
-    if O_FROM_NEW:
-        sq_lo, sq_hi = tl.reduce((n_lo * b_q[:, None], n_hi * b_q[:, None]), 0, _add2)
-        tl.store(o_row, (r_q * sq_lo).to(o.dtype.element_ty))
-        tl.store(o_row + 1, (r_q * sq_hi).to(o.dtype.element_ty))
-
-
-@triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
 
 _INTERPRET = tl.constexpr(INTERPRET)
@@ -285,7 +200,7 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                        BF16_BLOCK: tl.constexpr, LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr,
                        STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr, n_programs, pf_dist,
-                       PREFETCH: tl.constexpr, PACKED: tl.constexpr = 0):
+                       PREFETCH: tl.constexpr):
     """Program p of n_programs of one partition (B x n_heads x Dv tiles, Dv tiles fastest): the tile's address
     needs only the slot; the natural head (for q/k/v/gates) comes from the head map in parallel. PREFETCH: L2
     prefetch of the tile of program p + pf_dist of the same partition."""
@@ -298,16 +213,10 @@ def _partition_program(p, n_heads, stride_slot, pool, IS_BF16: tl.constexpr, q, 
     i_h = _natural_head(head_is_bf16, head_local, j, IS_BF16, HV)
     pf_base, pf_iv, pf_on = _future_tile(p + pf_dist, n_programs, n_heads, state_indices, head_local, stride_slot,
                                          DK, DV, NV, False, PREFETCH)
-    if IS_BF16 and PACKED != 0:
-        _bf16_packed_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
-                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                            stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
-                            STORE_EVICT, STORE_CACHE, PACKED == 2)
-    else:
-        _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
-                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                     stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK if IS_BF16 else 0, LOAD_EVICT,
-                     LOAD_CACHE, STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH)
+    _head_update(q, k, v, a, b, A_log, dt_bias, pool, base, o, i_b, i_h, i_h // GROUP, i_v,
+                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                 stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK if IS_BF16 else 0, LOAD_EVICT,
+                 LOAD_CACHE, STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH)
 
 
 @triton.jit
@@ -319,7 +228,6 @@ def _gdn_decode_kernel(
     n_f32_heads, n_bf16_heads, n_f32_programs, n_programs, pf_dist, scale,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     PARTITION_MAJOR: tl.constexpr, ALL_BF16: tl.constexpr, BF16_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-    PACKED: tl.constexpr,
     LOAD_EVICT: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     NV: tl.constexpr = DV // BV
@@ -338,7 +246,7 @@ def _gdn_decode_kernel(
                                A_log, dt_bias, o, head_is_bf16, head_local, state_indices, stride_q_tok, stride_q_head,
                                stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_a_tok, stride_b_tok,
                                scale, HV, GROUP, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE, STORE_EVICT,
-                               STORE_CACHE, n_programs - n_f32_programs, pf_dist, PREFETCH, PACKED)
+                               STORE_CACHE, n_programs - n_f32_programs, pf_dist, PREFETCH)
     else:
         i_v = pid % NV
         i_bh = pid // NV
@@ -358,16 +266,10 @@ def _gdn_decode_kernel(
             is_bf16, base = head_state_offset(head_is_bf16, head_local, i_h, slot, stride_f32_slot, stride_bf16_slot,
                                               DK, DV)
         if is_bf16 != 0:
-            if PACKED != 0:
-                _bf16_packed_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
-                                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
-                                    stride_v_head, stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK,
-                                    LOAD_EVICT, LOAD_CACHE, STORE_EVICT, STORE_CACHE, PACKED == 2)
-            else:
-                _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
-                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                             stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
-                             STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH and ALL_BF16)
+            _head_update(q, k, v, a, b, A_log, dt_bias, ssm_bf16, base, o, i_b, i_h, i_hk, i_v,
+                         stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                         stride_a_tok, stride_b_tok, scale, HV, DK, DV, BV, BF16_BLOCK, LOAD_EVICT, LOAD_CACHE,
+                         STORE_EVICT, STORE_CACHE, pf_base, pf_iv, pf_on, PREFETCH and ALL_BF16)
         else:
             _head_update(q, k, v, a, b, A_log, dt_bias, ssm_f32, base, o, i_b, i_h, i_hk, i_v,
                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
@@ -439,7 +341,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_f32, ssm_bf16, head_is_bf16, h
         a.stride(0), b.stride(0), ssm_f32.stride(0), ssm_bf16.stride(0),
         nf, nb, B * nf * nv, n_programs, pf_dist, Dk ** -0.5,
         HV=Hv, GROUP=Hv // Hk, DK=Dk, DV=Dv, BV=cfg.bv, PARTITION_MAJOR=partition_major, BF16_BLOCK=bf16_block(Dv),
-        PREFETCH=prefetch, PACKED=int(cfg.packed),
+        PREFETCH=prefetch,
         ALL_BF16=nf == 0,
         **_hints("LOAD", cfg.load), **_hints("STORE", cfg.store), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
