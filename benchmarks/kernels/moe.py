@@ -9,6 +9,8 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
                   pairs routed in one launch as the engine's layer is (softmax, top-k, bf16 weights
                   and the experts' alignment: router_fused.route_align_logits; up to 8 tokens on the MMA
                   kernel as pair blocks, align.moe_pair_blocks)
+  nvfp4/mma-r5    nvfp4/mma with round 5's launch chain (the router and gate_up launched without PDL, the top-k
+                  combine as its own launch): the before of round 6 in the same run
   nvfp4/mma-route the same experts behind the separate route kernel, weight cast and alignment
   nvfp4/mma-parts nvfp4/mma without the top-k combine launch: the engine's decode layer hands the
                   uncombined partials to the shared expert's down projection, which sums them
@@ -151,11 +153,20 @@ def ours(logits, x, top_k, w13, w2, path=None):
     return experts.moe_experts(x, topw, ids, w13, w2, nvfp4_path=path)
 
 
-def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True):
+# round 5's MMA launch chain (experts.PDL_GATE_UP, experts.FUSED_COMBINE_MAX_TOKENS off; the routers without PDL)
+R5_CHAIN_ENV = {"LINRNN_MMA_PDL_GATE_UP": "0", "LINRNN_MMA_FUSED_COMBINE": "0", "LINRNN_ROUTE_PDL": "0"}
+
+
+def ours_engine_routing_r5(logits, x, top_k, w13, w2):
+    """ours_engine_routing with round 5's launch chain (the before of round 6, in the same run)."""
+    return with_env(R5_CHAIN_ENV, lambda: ours_engine_routing(logits, x, top_k, w13, w2, router_pdl=False))
+
+
+def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True, router_pdl: bool | None = None):
     """Routing in one launch as the engine's decode layer does (there the fused router also runs the
     gate GEMM): softmax + top-k + alignment with bf16 weights in one launch whose alignment the experts reuse
     (up to router_fused.LOGITS_MAX_PAIRS pairs, or up to 8 tokens as pair blocks where the MMA kernel takes
-    them); then our default expert path."""
+    them); then our default expert path. router_pdl: route_align_logits' PDL (None: its default)."""
     from linrnn_kernels.moe import router_fused
 
     E = w13.data.shape[0]
@@ -165,7 +176,7 @@ def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True):
         return experts.moe_experts(x, topw, ids, w13, w2, combine=combine)
     block_m = experts.alignment_block_m(x, top_k, w13, w2)
     topw, ids, (sid, eid, npad) = router_fused.route_align_logits(logits, E, top_k, True, block_m, x.dtype,
-                                                                  pair_blocks=pair_blocks)
+                                                                  pair_blocks=pair_blocks, pdl=router_pdl)
     return experts.moe_experts(x, topw, ids, w13, w2, combine=combine,
                                alignment=experts.Alignment(sid, eid, npad, block_m, pair_blocks))
 
@@ -231,6 +242,7 @@ def ours_dequant(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
 VARIANTS = {
     # name: (weight format, callable(logits, x, k, w13, w2))
     "nvfp4/mma": ("nvfp4", lambda l, x, k, a, b: ours_engine_routing(l, x, k, *with_packed(a, b))),
+    "nvfp4/mma-r5": ("nvfp4", lambda l, x, k, a, b: ours_engine_routing_r5(l, x, k, *with_packed(a, b))),
     "nvfp4/mma-route": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, *with_packed(a, b), "mma")),
     "nvfp4/mma-parts": ("nvfp4", lambda l, x, k, a, b: ours_engine_routing(l, x, k, *with_packed(a, b), combine=False)),
     "nvfp4/mma-any": ("nvfp4", ours_mma_any),
@@ -451,7 +463,29 @@ MMA_CANDIDATES = {
     "PDL on": {"pdl": True},
     "PDL on 2 units budget 64": {"pdl": True, "units": 2, "maxnreg": 64},
     "2 units budget 72": {"units": 2, "maxnreg": 72},
+    # round 6 (small batches): the chain around the GEMMs (experts.PDL_GATE_UP, experts.FUSED_COMBINE_MAX_TOKENS)
+    "round 5 chain": {"pdl_gate_up": False, "fused_combine": False},
+    "combine launch": {"fused_combine": False},
+    "gate_up plain": {"pdl_gate_up": False},
+    "fused combine at every B": {"fused_combine": True},
+    "split to 1/SM": {"per_sm": 1},
+    # "env": environment variables set while the candidate is captured (router.chain_pdl: route and align under PDL)
+    "route and align PDL": {"env": {"LINRNN_ROUTE_PDL": "1"}},
 }
+
+
+def with_env(env: dict, fn):
+    """fn() with the environment variables `env` set (restored after)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor) -> str:
@@ -489,12 +523,16 @@ def mma_sweep(sets, inputs, k, args, cuda) -> dict:
     for key, opts in MMA_CANDIDATES.items():
         if wanted and key not in wanted:
             continue
+        env = opts.get("env", {})
+        kw = {kk: vv for kk, vv in opts.items() if kk != "env"}
+
         def call(s, x, logits):
             topw, ids = router.route(logits, k, True, weight_dtype=x.dtype)
             a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
-            return experts.moe_experts_mma(x, topw, ids, a.packed, b.packed, **opts)
+            return experts.moe_experts_mma(x, topw, ids, a.packed, b.packed, **kw)
         try:
-            calls = [graphed(lambda s=s, inp=inp: call(s, inp[0], inp[1]), cuda)[0] for s, inp in zip(sets, inputs)]
+            calls = [with_env(env, lambda s=s, inp=inp: graphed(lambda: call(s, inp[0], inp[1]), cuda)[0])
+                     for s, inp in zip(sets, inputs)]
             out[key] = bench(calls, args.warmup, args.rep, cuda)
         except Exception as e:
             out[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"

@@ -330,13 +330,33 @@ def mma_splits(num_pairs: int, p13, p2, num_sms: int, warps: int = 4, groups: tu
                  for p, g in ((p13, groups[0]), (p2, groups[1])))
 
 
+# Up to this many tokens moe_experts_mma's down kernel also does the top-k / split-K combine in its epilogue (per
+# (token, row tile) tickets, nvfp4_mma._combine_token) instead of grouped_gemm.sum_reduce's launch; beyond it a block's
+# CTA would arrive for up to 8 tokens one after the other. Bitwise the same output. LINRNN_MMA_FUSED_COMBINE=0: off
+FUSED_COMBINE_MAX_TOKENS = 8
+
+# Under PDL the gate_up kernel is launched with PDL too: it waits for the router (which lets it launch at its start)
+# before anything else and only then lets the down kernel launch, so its launch overlaps the router.
+# LINRNN_MMA_PDL_GATE_UP=0: launched plainly (round 5's chain)
+PDL_GATE_UP = True
+
+
+def fused_combine_default(num_tokens: int) -> bool:
+    return num_tokens <= FUSED_COMBINE_MAX_TOKENS and os.environ.get("LINRNN_MMA_FUSED_COMBINE", "1") != "0"
+
+
+def pdl_gate_up_default(pdl: bool) -> bool:
+    return pdl and PDL_GATE_UP and os.environ.get("LINRNN_MMA_PDL_GATE_UP", "1") != "0"
+
+
 def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
                     tokens: int | None = None, warps: int = 4, units: int | None = None, maxnreg: int | None = None,
                     groups: tuple[int, int] = (1, 1), prefetch: bool = nvfp4_mma.DEFAULT_PREFETCH,
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
-                    n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None):
+                    n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
+                    pdl_gate_up: bool | None = None, fused_combine: bool | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -348,6 +368,9 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     gate_up lets the down kernel launch at once, whose CTAs load their expert ids and first weights while gate_up
     drains and wait for it before reading h; the down kernel lets the combine (or the engine's shared-expert down
     projection) launch the same way. Bitwise the same results.
+    pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
+    first. fused_combine (combine; default fused_combine_default): the down kernel adds the top-k / split-K partials
+    itself (no sum_reduce launch; the same bits).
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -362,6 +385,9 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     units = units or (nvfp4_mma.DEFAULT_UNITS if persistent else tile[0])  # persistent: the compile-tested tile
     maxnreg = tile[1] if maxnreg is None else maxnreg
     pdl = nvfp4_mma.pdl_default(x.device) if pdl is None else pdl
+    pdl_gate_up = pdl and (pdl_gate_up_default(pdl) if pdl_gate_up is None else pdl_gate_up)
+    fused_combine = combine and not persistent and (fused_combine_default(T) if fused_combine is None
+                                                    else fused_combine)
     sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
     if splits is None:
@@ -387,19 +413,23 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     route_w = topk_weights.reshape(-1).contiguous()
     part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
     ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device) if s13 > 1 else None
-    # gate_up is launched without PDL (it reads the router's output), so the down kernel may read the alignment
-    # before its grid dependency wait (nvfp4_mma.launch)
+    # gate_up is launched without PDL (it reads the router's output), or with PDL waiting before anything else and
+    # only then letting the down kernel launch: either way the down kernel may read the alignment before its grid
+    # dependency wait (nvfp4_mma.launch)
+    first = dict(pdl_trigger=pdl, pdl_wait_first=pdl_gate_up)
     if s13 == 1:
         nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], n_fastest=order[0],
-                         pdl_trigger=pdl, **common, **cap)
+                         **first, **common, **cap)
     else:
         nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], h=h if fused_reduce else None,
-                         n_fastest=order[0], pdl_trigger=pdl, **common, **cap)
+                         n_fastest=order[0], **first, **common, **cap)
         if not fused_reduce:
             gg.silu_mul_reduce(ws, h)
     nvfp4_mma.launch(h, p2, part, route_weights=route_w, split=s2, groups=groups[1], n_fastest=order[1],
-                     pdl_wait=pdl, pdl_trigger=pdl, **common, **cap)
+                     pdl_wait=pdl, pdl_trigger=pdl, combine_out=out if fused_combine else None, combine_group=top_k,
+                     **common, **cap)
     if not combine:
         return Partials(part, top_k)
-    gg.sum_reduce(part, out, group=top_k, pdl=pdl)
+    if not fused_combine:
+        gg.sum_reduce(part, out, group=top_k, pdl=pdl)
     return out
