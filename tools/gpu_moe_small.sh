@@ -10,7 +10,7 @@
 #                                          align GPU tests
 #                                       2. the `moe` layer benchmark B = 1 .. 256: nvfp4/mma (new) and nvfp4/mma-r5 (round
 #                                          5's chain) in one run with the copy bandwidth; MMA candidates (round 5 chain,
-#                                          each change alone, route and align PDL, split to 1/SM); profile
+#                                          each change alone, route and align PDL, 2 / 4 units per step at register budget 128); profile
 #   bash tools/gpu_moe_small.sh engine  the layer benchmark (new vs r5), then bench batched --npl 1,8 (35B-A3B NVFP4
 #                                       dummy, f32 state): new, then round 5's chain (LINRNN_MMA_PDL_GATE_UP=0
 #                                       LINRNN_MMA_FUSED_COMBINE=0); the engine's graphs-on == graphs-off test
@@ -37,7 +37,7 @@ layer)
   timeout ${T_ROUTER:-40} python3 -m pytest -q -n 2 -m gpu tests/test_gemv_kernels.py tests/test_moe_kernels.py -k "route or router or align" \
     -p no:cacheprovider -rfE --junitxml=$R/test_router_align_gpu.xml > $R/router.log 2>&1; el router; tail -1 $R/router.log
   grep -E "^(FAILED|ERROR)" $R/router.log | head -5
-  timeout ${T_BENCH:-90} $MOE --mma-sweep --mma-candidates "${CANDIDATES:-default,round 5 chain,combine launch,gate_up plain,route and align PDL,split to 1/SM}" \
+  timeout ${T_BENCH:-90} $MOE --mma-sweep --mma-candidates "${CANDIDATES:-default,round 5 chain,combine launch,gate_up plain,route and align PDL,2 units budget 128,4 units budget 128}" \
     --out $R/moe > $R/moe.log 2>&1; el moe
   layer_table $R/moe.log $R/moe
   ;;
