@@ -271,7 +271,7 @@ def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine, fused_co
     """The launch order PDL relies on (recorded on the CPU with the launches stubbed): gate_up is launched plainly
     (it reads the router's output) or, with gate_up_pdl, with PDL waiting before anything else, and lets the next
     kernel start early; the down kernel waits (its pre-wait loads read what was written before gate_up began) and
-    triggers the combine, which waits, or combines itself (fused_combine; None: the default at 3 tokens, fused);
+    triggers the combine, which waits, or combines itself (fused_combine; None: the default at 3 tokens);
     nothing is launched between gate_up (or its separate reduction) and the down kernel. pdl=False: no PDL
     anywhere."""
     E, H, I = 4, 128, 64
@@ -290,7 +290,7 @@ def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine, fused_co
             ("sum_reduce", pdl, False, False)))
         experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=(2, 1), fused_reduce=fused_reduce,
                                 combine=combine, pdl=pdl, pdl_gate_up=gate_up_pdl, fused_combine=fused_combine)
-        fused = combine and fused_combine is not False
+        fused = combine and (experts.fused_combine_default(3) if fused_combine is None else fused_combine)
         want = [("gate_up", pdl and gate_up_pdl and "first", pdl, False)]
         want += [] if fused_reduce else [("silu_mul_reduce", False, False, False)]
         want += [("down", pdl, pdl, fused)] + ([("sum_reduce", pdl, False, False)] if combine and not fused else [])

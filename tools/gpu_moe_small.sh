@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # NVFP4 MoE small batches, round 6 (issue #13 item 3): the launch chain around the MMA GEMMs. New against round 5:
 # the down kernel does the top-k combine in its epilogue up to experts.FUSED_COMBINE_MAX_TOKENS tokens (no sum_reduce
-# launch), gate_up is launched with PDL behind the router (experts.PDL_GATE_UP), route_align_logits under PDL;
-# route() / the one-launch alignment under PDL as an experiment (LINRNN_ROUTE_PDL=1, "route and align PDL").
+# launch; measured no faster: off by default), gate_up launched with PDL behind the router (experts.PDL_GATE_UP),
+# route_align_logits, route() and the one-launch alignment under PDL (router.ROUTE_PDL).
 # Device calls on one H200 (timeout_s <= 240; every stage under `timeout`; LINRNN_COMMIT=<sha>; the branch overlaid:
 # cp -r .gpu/moe-small/. ./ first):
 #   bash tools/gpu_moe_small.sh layer   1. tests/test_nvfp4_mma.py GPU cases (test_mma_fused_combine_bitwise_equal: fused
@@ -13,7 +13,8 @@
 #                                          each change alone, route and align PDL, 2 / 4 units per step at register budget 128); profile
 #   bash tools/gpu_moe_small.sh engine  the layer benchmark (new vs r5), then bench batched --npl 1,8 (35B-A3B NVFP4
 #                                       dummy, f32 state): new, then round 5's chain (LINRNN_MMA_PDL_GATE_UP=0
-#                                       LINRNN_MMA_FUSED_COMBINE=0); the engine's graphs-on == graphs-off test
+#                                       LINRNN_MMA_FUSED_COMBINE=0 LINRNN_ROUTE_PDL=0); the engine's graphs-on ==
+#                                       graphs-off test; the router / align GPU tests (route / align now under PDL)
 # Results under $OUT/moe_small (*.log, moe*/, batched_*/).
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}
@@ -42,14 +43,16 @@ layer)
   layer_table $R/moe.log $R/moe
   ;;
 engine)
-  timeout ${T_BENCH:-60} $MOE --out $R/moe2 > $R/moe2.log 2>&1; el moe
+  timeout ${T_BENCH:-45} $MOE --out $R/moe2 > $R/moe2.log 2>&1; el moe
   layer_table $R/moe2.log $R/moe2
-  timeout ${T_NEW:-55} $BB --out $R/batched_new > $R/batched_new.log 2>&1; el new
-  grep -E "^\| 128 \| [0-9]+ \| " $R/batched_new/batched.md | cut -d"|" -f3,4,11
-  env $R5 timeout ${T_OLD:-50} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old
-  grep -E "^\| 128 \| [0-9]+ \| " $R/batched_old/batched.md | cut -d"|" -f3,4,11
-  timeout ${T_ENGINE:-60} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --junitxml=$R/test_engine_graphs_gpu.xml \
+  timeout ${T_NEW:-70} $BB --out $R/batched_new > $R/batched_new.log 2>&1; el new
+  grep -E "^\| 128 \| [0-9]+ \| " $R/batched_new/batched.md | cut -d"|" -f4,11
+  env $R5 timeout ${T_OLD:-40} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old
+  grep -E "^\| 128 \| [0-9]+ \| " $R/batched_old/batched.md | cut -d"|" -f4,11
+  timeout ${T_ENGINE:-50} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --junitxml=$R/test_engine_graphs_gpu.xml \
     "${ENGINE_TESTS[@]}" > $R/engine.log 2>&1; el engine; tail -1 $R/engine.log
+  timeout ${T_ROUTER:-30} python3 -m pytest -q -n 4 -m gpu tests/test_gemv_kernels.py tests/test_moe_kernels.py -k "route or router or align" \
+    -p no:cacheprovider -rfE --junitxml=$R/test_router_align_gpu.xml > $R/router.log 2>&1; el router; tail -1 $R/router.log
   ;;
 *) echo "usage: $0 layer|engine"; exit 2 ;;
 esac

@@ -467,13 +467,14 @@ MMA_CANDIDATES = {
     "round 5 chain": {"pdl_gate_up": False, "fused_combine": False},
     "combine launch": {"fused_combine": False},
     "gate_up plain": {"pdl_gate_up": False},
-    "fused combine at every B": {"fused_combine": True},
+    "fused combine": {"fused_combine": True},
     "split to 1/SM": {"per_sm": 1},
     # B = 1: ~4 CTAs per SM, so a larger register budget keeps every K step's loads of a split in flight at once
     "2 units budget 128": {"units": 2, "maxnreg": 128},
     "4 units budget 128": {"units": 4, "maxnreg": 128},
     # "env": environment variables set while the candidate is captured (router.chain_pdl: route and align under PDL)
     "route and align PDL": {"env": {"LINRNN_ROUTE_PDL": "1"}},
+    "route and align plain": {"env": {"LINRNN_ROUTE_PDL": "0"}},
 }
 
 

@@ -331,13 +331,16 @@ def mma_splits(num_pairs: int, p13, p2, num_sms: int, warps: int = 4, groups: tu
 
 
 # Up to this many tokens moe_experts_mma's down kernel also does the top-k / split-K combine in its epilogue (per
-# (token, row tile) tickets, nvfp4_mma._combine_token) instead of grouped_gemm.sum_reduce's launch; beyond it a block's
-# CTA would arrive for up to 8 tokens one after the other. Bitwise the same output. LINRNN_MMA_FUSED_COMBINE=0: off
-FUSED_COMBINE_MAX_TOKENS = 8
+# (token, row tile) tickets, nvfp4_mma._combine_token) instead of grouped_gemm.sum_reduce's launch (bitwise the same
+# output). Off (0): it only moves the combine's latency into the down kernel's last CTAs. H200, one 35B-A3B layer,
+# round 6 call 1 (benchmarks/results/kernels/moe/round6_small/): 22.2 vs 22.3 us at B = 1 (MMA kernels 12.0 vs
+# 10.3 + sum_reduce 1.8), 54.4 vs 50.2 at B = 8. LINRNN_MMA_FUSED_COMBINE=0 turns it off where this is raised
+FUSED_COMBINE_MAX_TOKENS = 0
 
 # Under PDL the gate_up kernel is launched with PDL too: it waits for the router (which lets it launch at its start)
-# before anything else and only then lets the down kernel launch, so its launch overlaps the router.
-# LINRNN_MMA_PDL_GATE_UP=0: launched plainly (round 5's chain)
+# before anything else and only then lets the down kernel launch, so its launch overlaps the router. H200, one
+# 35B-A3B layer, round 6 call 1 (the MMA candidates, with route() and the alignment under PDL off): 0.5-0.8 us faster
+# at B = 1 .. 256 (22.2 vs 22.8 at B = 1, 157.7 vs 158.5 at 128). LINRNN_MMA_PDL_GATE_UP=0: launched plainly (round 5)
 PDL_GATE_UP = True
 
 

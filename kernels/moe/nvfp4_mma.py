@@ -42,7 +42,14 @@ then wait for gate_up's grid (WAIT_PREV, before the first load of h), so the lau
 trip overlap gate_up's tail. The down kernel lets the combine (sum_reduce, or the engine's shared-expert down
 projection, both waiting before they read the partials) launch the same way. An earlier variant that waited
 before its first load (no weight prefetch, both kernels launched with PDL) measured slower in the engine
-(benchmarks/results/small_round4/).
+(benchmarks/results/small_round4/). pdl_wait_first (WAIT_FIRST): gate_up itself launched with PDL right behind the
+router, waiting for it before anything else and only then letting the down kernel launch (its launch overlaps the
+router; the down kernel's pre-wait loads still see the alignment).
+
+The top-k combine can run in the down kernel's epilogue (combine_out, COMBINE = top-k; experts.FUSED_COMBINE_MAX_TOKENS,
+off by default: measured no faster than sum_reduce's launch): after storing its partials a CTA arrives, per token in
+its expert block, at a (token, row tile) ticket; the token's last arrival (top-k x split-K of them) adds its
+partials in sum_reduce's order (the same bits) and resets the ticket.
 
 Gluon kernels do not run under TRITON_INTERPRET; `available()` says whether this path can run.
 """

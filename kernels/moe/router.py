@@ -127,12 +127,19 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_t: i
     return weights, ids
 
 
+# route() and the one-launch alignment are launched with PDL (each waits for its input's writer, then lets the next
+# kernel launch; the MoE gate_up waits for them). H200, one 35B-A3B layer, route -> align -> experts (round 6 call 1,
+# benchmarks/results/kernels/moe/round6_small/): 21.2 vs 22.2 us at B = 1, 53.5 vs 54.4 at 8, 141.2 vs 142.5 at 64,
+# 156.5 vs 157.7 at 128, 188.0 vs 188.6 at 256
+ROUTE_PDL = True
+
+
 def chain_pdl() -> bool:
-    """Whether route() and the one-launch alignment (align.moe_align_block_size) are launched with PDL by default
-    (an experiment: LINRNN_ROUTE_PDL=1; where PDL is available)."""
+    """Whether route() and the one-launch alignment (align.moe_align_block_size) are launched with PDL by default:
+    ROUTE_PDL, unless LINRNN_ROUTE_PDL=0 (where PDL is available: pdl_launch_kwargs)."""
     import os
 
-    return os.environ.get("LINRNN_ROUTE_PDL", "0") == "1"
+    return ROUTE_PDL and os.environ.get("LINRNN_ROUTE_PDL", "1") != "0"
 
 
 def chain_pdl_kwargs(x: torch.Tensor, pdl: bool | None) -> dict:
