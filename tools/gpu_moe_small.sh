@@ -11,7 +11,7 @@
 #                                       2. the `moe` layer benchmark B = 1 .. 256: nvfp4/mma (new) and nvfp4/mma-r5 (round
 #                                          5's chain) in one run with the copy bandwidth; MMA candidates (round 5 chain,
 #                                          each change alone, route and align PDL, 2 / 4 units per step at register budget 128); profile
-#   bash tools/gpu_moe_small.sh engine  the layer benchmark (new vs r5), then bench batched --npl 1,8 (35B-A3B NVFP4
+#   bash tools/gpu_moe_small.sh engine  the layer benchmark (new vs r5; new again behind a reading L2 flush), bench batched --npl 1,8 (35B-A3B NVFP4
 #                                       dummy, f32 state): new, then round 5's chain (LINRNN_MMA_PDL_GATE_UP=0
 #                                       LINRNN_MMA_FUSED_COMBINE=0 LINRNN_ROUTE_PDL=0); the engine's graphs-on ==
 #                                       graphs-off test; the router / align GPU tests (route / align now under PDL)
@@ -43,15 +43,19 @@ layer)
   layer_table $R/moe.log $R/moe
   ;;
 engine)
-  timeout ${T_BENCH:-45} $MOE --out $R/moe2 > $R/moe2.log 2>&1; el moe
+  timeout ${T_BENCH:-40} $MOE --out $R/moe2 > $R/moe2.log 2>&1; el moe
   layer_table $R/moe2.log $R/moe2
-  timeout ${T_NEW:-70} $BB --out $R/batched_new > $R/batched_new.log 2>&1; el new
+  # the same layer timed behind an L2 flush that leaves clean lines (reads 256 MB) instead of do_bench's zeroing (dirty
+  # lines written back during the timed kernels): how much of the layer's time between kernels is that write-back
+  timeout ${T_FLUSH:-30} python3 -m linrnn_bench.kernels.moe --variants nvfp4/mma --sets 3 --rep 60 --flush read \
+    --out $R/moe_read > $R/moe_read.log 2>&1; el flush; layer_table $R/moe_read.log $R/moe_read
+  timeout ${T_NEW:-65} $BB --out $R/batched_new > $R/batched_new.log 2>&1; el new
   grep -E "^\| 128 \| [0-9]+ \| " $R/batched_new/batched.md | cut -d"|" -f4,11
-  env $R5 timeout ${T_OLD:-40} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old
+  env $R5 timeout ${T_OLD:-35} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old
   grep -E "^\| 128 \| [0-9]+ \| " $R/batched_old/batched.md | cut -d"|" -f4,11
-  timeout ${T_ENGINE:-50} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --junitxml=$R/test_engine_graphs_gpu.xml \
+  timeout ${T_ENGINE:-45} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --junitxml=$R/test_engine_graphs_gpu.xml \
     "${ENGINE_TESTS[@]}" > $R/engine.log 2>&1; el engine; tail -1 $R/engine.log
-  timeout ${T_ROUTER:-30} python3 -m pytest -q -n 4 -m gpu tests/test_gemv_kernels.py tests/test_moe_kernels.py -k "route or router or align" \
+  timeout ${T_ROUTER:-25} python3 -m pytest -q -n 4 -m gpu tests/test_gemv_kernels.py tests/test_moe_kernels.py -k "route or router or align" \
     -p no:cacheprovider -rfE --junitxml=$R/test_router_align_gpu.xml > $R/router.log 2>&1; el router; tail -1 $R/router.log
   ;;
 *) echo "usage: $0 layer|engine"; exit 2 ;;

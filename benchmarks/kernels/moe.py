@@ -72,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graph", action="store_true", help="time eager calls instead of graph replays")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
+    p.add_argument("--flush", choices=FLUSHES, default="zero",
+                   help="L2 flush before each timed call: zero a 256 MB buffer (do_bench, default) or read it")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test; runs on CPU too)")
     p.add_argument("--mma-sweep", action="store_true",
                    help="also time the nvfp4/mma layer over MMA_CANDIDATES (tile, split-K, reduction, cache-hint variants)")
@@ -274,14 +276,23 @@ EAGER_ONLY = {"nvfp4/dequant"}
 
 # ------------------------------------------------------------------------------------- timing
 
-def bench(fns: list, warmup: int, rep: int, cuda: bool) -> float:
-    """Median microseconds of one call, rotating through `fns` (one per weight/input set)."""
+# L2 flush between timed calls: "zero" (triton.testing.do_bench: a 256 MB buffer zeroed, which leaves L2 full of
+# dirty lines that the timed kernels then write back to HBM while they stream their weights) or "read" (the buffer
+# summed: L2 left holding clean lines, as in a decode step whose previous kernels wrote little)
+FLUSHES = ("zero", "read")
+
+
+def bench(fns: list, warmup: int, rep: int, cuda: bool, flush: str = "zero") -> float:
+    """Median microseconds of one call, rotating through `fns` (one per weight/input set); L2 flushed before each
+    timed call (`flush`, FLUSHES)."""
     state = {"i": 0}
 
     def call():
         fns[state["i"] % len(fns)]()
         state["i"] += 1
 
+    if cuda and flush == "read":
+        return _bench_read_flush(call, warmup, rep)
     if cuda:
         import triton.testing
 
@@ -292,6 +303,35 @@ def bench(fns: list, warmup: int, rep: int, cuda: bool) -> float:
         call()
         times.append(time.perf_counter() - t0)
     return 1e6 * sorted(times)[len(times) // 2]
+
+
+def _bench_read_flush(call, warmup_ms: float, rep_ms: float) -> float:
+    """do_bench's protocol (warm-up, then timed calls each behind an L2 flush, the median) with a flush that reads a
+    256 MB buffer instead of zeroing it, timed per call with CUDA events."""
+    cache = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    call()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(5):
+        torch.sum(cache, out=sink)
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    per = max(start.elapsed_time(end) / 5, 1e-3)  # ms per flush + call
+    for _ in range(max(1, int(warmup_ms / per))):
+        call()
+    n = max(5, int(rep_ms / per))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in events:
+        torch.sum(cache, out=sink)
+        s.record()
+        call()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return 1e3 * times[len(times) // 2]
 
 
 def graphed(fn, cuda: bool):
@@ -537,7 +577,7 @@ def mma_sweep(sets, inputs, k, args, cuda) -> dict:
         try:
             calls = [with_env(env, lambda s=s, inp=inp: graphed(lambda: call(s, inp[0], inp[1]), cuda)[0])
                      for s, inp in zip(sets, inputs)]
-            out[key] = bench(calls, args.warmup, args.rep, cuda)
+            out[key] = bench(calls, args.warmup, args.rep, cuda, args.flush)
         except Exception as e:
             out[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
     return out
@@ -611,7 +651,8 @@ def run(args) -> int:
         row = {"B": B, "E": E, "k": k, "H": H, "I": I, "experts_hit": hit, "us": {}, "gbs": {}, "err": {},
                "expert_bytes": hit * expert_bytes(sets[0][("nvfp4", "w13")], sets[0][("nvfp4", "w2")])
                if ("nvfp4", "w13") in sets[0] else 0,
-               "timing": "eager" if args.no_graph else "CUDA-graph replay"}
+               "timing": ("eager" if args.no_graph else "CUDA-graph replay")
+               + (", L2 flushed by reading 256 MB (--flush read)" if args.flush == "read" else "")}
         refs = {}  # one reference per (set, format, activations), shared by the variants
         for v in variants:
             fmt, fn = VARIANTS[v]
@@ -637,7 +678,7 @@ def run(args) -> int:
                 if not args.no_graph and v not in EAGER_ONLY:
                     calls, modes = zip(*[graphed(c, cuda) for c in calls])
                     calls, modes = list(calls), set(modes)
-                us = bench(calls, args.warmup, args.rep, cuda)
+                us = bench(calls, args.warmup, args.rep, cuda, args.flush)
                 row["us"][v] = us
                 if (modes - {"graph"} or v in EAGER_ONLY) and not args.no_graph:
                     row.setdefault("notes", []).append(f"{v}: {sorted(modes) or ['eager']}")
