@@ -15,6 +15,8 @@
 #                                       dummy, f32 state): new, then round 5's chain (LINRNN_MMA_PDL_GATE_UP=0
 #                                       LINRNN_MMA_FUSED_COMBINE=0 LINRNN_ROUTE_PDL=0); the engine's graphs-on ==
 #                                       graphs-off test; the router / align GPU tests (route / align now under PDL)
+#   bash tools/gpu_moe_small.sh batched bench batched --npl 1,8 new, then round 5's chain (about 200 s on a cold machine)
+#   bash tools/gpu_moe_small.sh flush   the layer (nvfp4/mma) behind do_bench's zeroing L2 flush, then a reading one
 # Results under $OUT/moe_small (*.log, moe*/, batched_*/).
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}
@@ -58,5 +60,17 @@ engine)
   timeout ${T_ROUTER:-25} python3 -m pytest -q -n 4 -m gpu tests/test_gemv_kernels.py tests/test_moe_kernels.py -k "route or router or align" \
     -p no:cacheprovider -rfE --junitxml=$R/test_router_align_gpu.xml > $R/router.log 2>&1; el router; tail -1 $R/router.log
   ;;
-*) echo "usage: $0 layer|engine"; exit 2 ;;
+batched)  # the engine old vs new alone (call 2's engine stage timed out on a cold machine: 65 s were too few)
+  timeout ${T_NEW:-140} $BB --out $R/batched_new > $R/batched_new.log 2>&1; el new
+  grep -E "^\| 128 \| [0-9]+ \| " $R/batched_new/batched.md | cut -d"|" -f4,11
+  env $R5 timeout ${T_OLD:-90} $BB --out $R/batched_old > $R/batched_old.log 2>&1; el old
+  grep -E "^\| 128 \| [0-9]+ \| " $R/batched_old/batched.md | cut -d"|" -f4,11
+  ;;
+flush)  # the layer (new) behind do_bench's zeroing L2 flush and behind a reading one, one after the other
+  for F in zero read; do
+    timeout ${T_FLUSH:-70} python3 -m linrnn_bench.kernels.moe --variants nvfp4/mma --sets 3 --rep 60 --flush $F \
+      --out $R/moe_$F > $R/moe_$F.log 2>&1; el $F; layer_table $R/moe_$F.log $R/moe_$F
+  done
+  ;;
+*) echo "usage: $0 layer|engine|batched|flush"; exit 2 ;;
 esac

@@ -315,7 +315,7 @@ def _bench_read_flush(call, warmup_ms: float, rep_ms: float) -> float:
     torch.cuda.synchronize()
     start.record()
     for _ in range(5):
-        torch.sum(cache, out=sink)
+        torch.sum(cache, dim=0, out=sink)
         call()
     end.record()
     torch.cuda.synchronize()
@@ -325,7 +325,7 @@ def _bench_read_flush(call, warmup_ms: float, rep_ms: float) -> float:
     n = max(5, int(rep_ms / per))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for s, e in events:
-        torch.sum(cache, out=sink)
+        torch.sum(cache, dim=0, out=sink)
         s.record()
         call()
         e.record()
