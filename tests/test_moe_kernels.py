@@ -440,3 +440,16 @@ def test_default_configs_fill_the_gpu():
         assert c13.block_m == c2.block_m == 16
         blocks = min(256, B * 8)
         assert blocks * math.ceil(512 / c13.block_n) * c13.split_k >= 128
+
+
+def test_route_align_pdl_launch_options(monkeypatch):
+    """route() and the one-launch alignment are PDL launches where PDL is available (router.ROUTE_PDL), unless
+    LINRNN_ROUTE_PDL=0 or pdl=False; pdl=True forces them."""
+    x = torch.zeros(2, 4)
+    assert router.chain_pdl_kwargs(x, None) == {"PDL": False}  # the CPU: no PDL
+    on = {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(router, "pdl_launch_kwargs", lambda t: on)
+    assert router.chain_pdl_kwargs(x, None) == (on if router.ROUTE_PDL else {"PDL": False})
+    assert router.chain_pdl_kwargs(x, False) == {"PDL": False} and router.chain_pdl_kwargs(x, True) == on
+    monkeypatch.setenv("LINRNN_ROUTE_PDL", "0")
+    assert router.chain_pdl_kwargs(x, None) == {"PDL": False} and router.chain_pdl_kwargs(x, True) == on
