@@ -231,24 +231,6 @@ def test_sm90_compile_gate_up_waits_first(split, maxnreg):
     assert st["smem_ops_in_loop"] == 0 and st["regs"] <= (maxnreg or 64), st
 
 
-@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
-@pytest.mark.parametrize("split,maxnreg", [(2, 80), (1, None), (4, None)])
-def test_sm90_compile_fused_combine(split, maxnreg):
-    """The down kernel with the top-k combine in its epilogue (combine=8, the chain's PDL on): one integer ticket
-    add per token slot (no float atomics), no spills anywhere within the register budget, the PDL order of the
-    plain down kernel (2 weight loads and no activation load before the wait, every exit after a wait), and the K
-    loop within 4 instructions of the kernel without the combine."""
-    st = nvfp4_mma.pdl_order_stats(gated=False, split=split, maxnreg=maxnreg, pdl_wait=True, pdl_trigger=True,
-                                   combine=8)
-    plain = nvfp4_mma.pdl_order_stats(gated=False, split=split, maxnreg=maxnreg, pdl_wait=True, pdl_trigger=True)
-    assert st["atomics"] == ["ATOMG.E.ADD.STRONG.GPU"] * 8 and plain["atomics"] == [], (st, plain)
-    assert st["weight_loads_before_wait"] == 2 and st["activation_loads_before_wait"] == 0, st
-    assert st["exits_without_wait"] == 0 and st["trigger_first"], st
-    assert st["spill_ops"] == 0 and st["smem_ops_in_loop"] == 0 and st["regs"] <= (maxnreg or 64), st
-    assert plain["loop_instructions"] <= st["loop_instructions"] <= plain["loop_instructions"] + 4, (st, plain)
-    assert st["per_weight"] <= ipw_budget(8), st
-
-
 def test_split_k_fills_sms():
     assert nvfp4_mma.split_k(32, 8 * 16, 132) == 4  # B = 1 gate_up: 8 experts x 16 CTAs
     assert nvfp4_mma.split_k(8, 8 * 32, 132) == 2   # B = 1 down
@@ -264,16 +246,15 @@ def test_split_k_fills_sms():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the alignment kernel runs on CPU tensors "
                     "(interpreter); on a CUDA machine the GPU tests cover the chain")
-@pytest.mark.parametrize("fused_reduce,combine,fused_combine,gate_up_pdl", [
-    (True, True, False, False), (False, True, False, False), (True, False, False, False),
-    (True, True, True, True), (True, True, False, True), (False, True, True, True), (True, False, None, True)])
-def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine, fused_combine, gate_up_pdl):
+@pytest.mark.parametrize("fused_reduce,combine,gate_up_pdl", [
+    (True, True, False), (False, True, False), (True, False, False), (True, True, True), (False, True, True),
+    (True, False, True)])
+def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine, gate_up_pdl):
     """The launch order PDL relies on (recorded on the CPU with the launches stubbed): gate_up is launched plainly
     (it reads the router's output) or, with gate_up_pdl, with PDL waiting before anything else, and lets the next
     kernel start early; the down kernel waits (its pre-wait loads read what was written before gate_up began) and
-    triggers the combine, which waits, or combines itself (fused_combine; None: the default at 3 tokens);
-    nothing is launched between gate_up (or its separate reduction) and the down kernel. pdl=False: no PDL
-    anywhere."""
+    triggers the combine, which waits; nothing is launched between gate_up (or its separate reduction) and the down
+    kernel. pdl=False: no PDL anywhere."""
     E, H, I = 4, 128, 64
     w13, w2 = _weights(E, H, I, "cpu", seed=9)
     x = torch.randn(3, H).bfloat16()
@@ -284,16 +265,14 @@ def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine, fused_co
         monkeypatch.setattr(nvfp4_mma, "num_sms", lambda device: 132)
         monkeypatch.setattr(nvfp4_mma, "launch", lambda x, w, out, **kw: log.append(
             ("gate_up" if w.gated else "down", kw.get("pdl_wait", False) or kw.get("pdl_wait_first", False) and "first",
-             kw.get("pdl_trigger", False), kw.get("combine_out") is not None)))
-        monkeypatch.setattr(gg, "silu_mul_reduce", lambda ws, h: log.append(("silu_mul_reduce", False, False, False)))
-        monkeypatch.setattr(gg, "sum_reduce", lambda part, out, group, pdl=False: log.append(
-            ("sum_reduce", pdl, False, False)))
+             kw.get("pdl_trigger", False))))
+        monkeypatch.setattr(gg, "silu_mul_reduce", lambda ws, h: log.append(("silu_mul_reduce", False, False)))
+        monkeypatch.setattr(gg, "sum_reduce", lambda part, out, group, pdl=False: log.append(("sum_reduce", pdl, False)))
         experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=(2, 1), fused_reduce=fused_reduce,
-                                combine=combine, pdl=pdl, pdl_gate_up=gate_up_pdl, fused_combine=fused_combine)
-        fused = combine and (experts.fused_combine_default(3) if fused_combine is None else fused_combine)
-        want = [("gate_up", pdl and gate_up_pdl and "first", pdl, False)]
-        want += [] if fused_reduce else [("silu_mul_reduce", False, False, False)]
-        want += [("down", pdl, pdl, fused)] + ([("sum_reduce", pdl, False, False)] if combine and not fused else [])
+                                combine=combine, pdl=pdl, pdl_gate_up=gate_up_pdl)
+        want = [("gate_up", pdl and gate_up_pdl and "first", pdl)]
+        want += [] if fused_reduce else [("silu_mul_reduce", False, False)]
+        want += [("down", pdl, pdl)] + ([("sum_reduce", pdl, False)] if combine else [])
         assert log == want, (pdl, log)
 
 
@@ -532,50 +511,6 @@ def test_mma_pdl_bitwise_equal(nan_buffers, B):
         torch.cuda.synchronize()
         assert torch.equal(yg, y0)
     assert not nvfp4_mma.tickets("cuda").any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 2, 3, 8, 31])
-def test_mma_fused_combine_bitwise_equal(nan_buffers, B):
-    """The down kernel's fused top-k / split-K combine gives the bits of grouped_gemm.sum_reduce's launch (the same
-    summation order) into NaN-filled outputs: PDL on and off, split-K (default, (1, 1), (2, 4)), expert-sorted
-    blocks and pair blocks (B <= 8), eager and CUDA-graph replays; the oracle within tolerance; tickets back to 0.
-    B = 31: several tokens per expert block (the fused combine forced past FUSED_COMBINE_MAX_TOKENS)."""
-    from linrnn_kernels.moe.align import moe_pair_blocks
-
-    E, k, H, I = 256, 8, 2048, 512
-    w13, w2 = _weights(E, H, I, "cuda", seed=11)
-    x = torch.randn(B, H, device="cuda").bfloat16()
-    topw, ids = naive.route(x.float() @ (torch.randn(E, H, device="cuda") * 0.02).t(), k, True)
-    topw = topw.bfloat16()
-    ref = naive.moe_experts(x, topw, ids, w13, w2)
-    aligns = [None]
-    if B <= 8:
-        sid, eid, npad = moe_pair_blocks(ids, 8)
-        aligns.append(experts.Alignment(sid, eid, npad, 8, True))
-    for kw in ({}, {"splits": (1, 1)}, {"splits": (2, 4)}):
-        for alignment in aligns:
-            for pdl in (False, True):
-                opts = dict(pdl=pdl, alignment=alignment, **kw)
-                base = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, fused_combine=False, **opts)
-                y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, fused_combine=True, **opts)
-                assert torch.equal(y, base), (kw, alignment is not None, pdl)
-    y0 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, fused_combine=False)
-    assert float((y0.double() - ref.double()).norm() / ref.double().norm()) <= 1e-2
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, fused_combine=True)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        yg = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, fused_combine=True)
-    for _ in range(3):
-        yg.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(yg, y0)
-    assert not nvfp4_mma.combine_tickets("cuda").any() and not nvfp4_mma.tickets("cuda").any()
 
 
 @pytest.mark.gpu

@@ -1,20 +1,18 @@
 #!/usr/bin/env bash
 # NVFP4 MoE small batches, round 6 (issue #13 item 3): the launch chain around the MMA GEMMs. New against round 5:
-# the down kernel does the top-k combine in its epilogue up to experts.FUSED_COMBINE_MAX_TOKENS tokens (no sum_reduce
-# launch; measured no faster: off by default), gate_up launched with PDL behind the router (experts.PDL_GATE_UP),
-# route_align_logits, route() and the one-launch alignment under PDL (router.ROUTE_PDL).
+# gate_up launched with PDL behind the router (experts.PDL_GATE_UP), route_align_logits, route() and the one-launch
+# alignment under PDL (router.ROUTE_PDL). (Call 1 at 923fd21 also ran the down kernel's fused combine, since removed.)
 # Device calls on one H200 (timeout_s <= 240; every stage under `timeout`; LINRNN_COMMIT=<sha>; the branch overlaid:
 # cp -r .gpu/moe-small/. ./ first):
-#   bash tools/gpu_moe_small.sh layer   1. tests/test_nvfp4_mma.py GPU cases (test_mma_fused_combine_bitwise_equal: fused
-#                                          combine == the combine launch bit for bit; PDL bitwise tests), the router /
-#                                          align GPU tests
+#   bash tools/gpu_moe_small.sh layer   1. tests/test_nvfp4_mma.py GPU cases (PDL bitwise tests), the router / align
+#                                          GPU tests
 #                                       2. the `moe` layer benchmark B = 1 .. 256: nvfp4/mma (new) and nvfp4/mma-r5 (round
 #                                          5's chain) in one run with the copy bandwidth; MMA candidates (round 5 chain,
-#                                          each change alone, route and align PDL, 2 / 4 units per step at register budget 128); profile
-#   bash tools/gpu_moe_small.sh engine  the layer benchmark (new vs r5; new again behind a reading L2 flush), bench batched --npl 1,8 (35B-A3B NVFP4
-#                                       dummy, f32 state): new, then round 5's chain (LINRNN_MMA_PDL_GATE_UP=0
-#                                       LINRNN_MMA_FUSED_COMBINE=0 LINRNN_ROUTE_PDL=0); the engine's graphs-on ==
-#                                       graphs-off test; the router / align GPU tests (route / align now under PDL)
+#                                          each change alone, 2 / 4 units per step at register budget 128); profile
+#   bash tools/gpu_moe_small.sh engine  the layer benchmark (new vs r5; new again behind a reading L2 flush), bench batched
+#                                       --npl 1,8 (35B-A3B NVFP4 dummy, f32 state): new, then round 5's chain
+#                                       (LINRNN_MMA_PDL_GATE_UP=0 LINRNN_ROUTE_PDL=0); the engine's graphs-on ==
+#                                       graphs-off test; the router / align GPU tests
 #   bash tools/gpu_moe_small.sh batched bench batched --npl 1,8 new, then round 5's chain (about 200 s on a cold machine)
 #   bash tools/gpu_moe_small.sh flush   the layer (nvfp4/mma) behind do_bench's zeroing L2 flush, then a reading one
 # Results under $OUT/moe_small (*.log, moe*/, batched_*/).
@@ -26,7 +24,7 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 quiet() { grep -vE "leaked|nanobind|^ - |Warning|warn|^\{|^profile |^mma sweep"; }
 MOE="python3 -m linrnn_bench.kernels.moe --variants nvfp4/mma,nvfp4/mma-r5 --sets 3 --rep ${REP:-100} --profile"
 BB="python3 -m linrnn_serve bench batched --model qwen35moe-nvfp4 --load-format dummy --npp 128 --ntg ${NTG:-64} --npl 1,8 --no-progress"
-R5="LINRNN_MMA_PDL_GATE_UP=0 LINRNN_MMA_FUSED_COMBINE=0 LINRNN_ROUTE_PDL=0"
+R5="LINRNN_MMA_PDL_GATE_UP=0 LINRNN_ROUTE_PDL=0"
 ENGINE_TESTS=("tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[1]" "tests/test_engine_gpu.py::test_graphs_vs_eager_a3b_shaped[64]")
 layer_table() {  # the layer rows (us, GB/s, % copy per variant) and the candidates' table
   quiet < $1 | grep -E "^copy bandwidth|^\| B \||^\| [0-9]+ \| [0-9]+ \|" | head -9
@@ -40,7 +38,7 @@ layer)
   timeout ${T_ROUTER:-40} python3 -m pytest -q -n 2 -m gpu tests/test_gemv_kernels.py tests/test_moe_kernels.py -k "route or router or align" \
     -p no:cacheprovider -rfE --junitxml=$R/test_router_align_gpu.xml > $R/router.log 2>&1; el router; tail -1 $R/router.log
   grep -E "^(FAILED|ERROR)" $R/router.log | head -5
-  timeout ${T_BENCH:-90} $MOE --mma-sweep --mma-candidates "${CANDIDATES:-default,round 5 chain,combine launch,gate_up plain,route and align PDL,2 units budget 128,4 units budget 128}" \
+  timeout ${T_BENCH:-90} $MOE --mma-sweep --mma-candidates "${CANDIDATES:-default,round 5 chain,gate_up plain,route and align plain,2 units budget 128,4 units budget 128}" \
     --out $R/moe > $R/moe.log 2>&1; el moe
   layer_table $R/moe.log $R/moe
   ;;

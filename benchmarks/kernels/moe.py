@@ -9,8 +9,8 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
                   pairs routed in one launch as the engine's layer is (softmax, top-k, bf16 weights
                   and the experts' alignment: router_fused.route_align_logits; up to 8 tokens on the MMA
                   kernel as pair blocks, align.moe_pair_blocks)
-  nvfp4/mma-r5    nvfp4/mma with round 5's launch chain (the router and gate_up launched without PDL, the top-k
-                  combine as its own launch): the before of round 6 in the same run
+  nvfp4/mma-r5    nvfp4/mma with round 5's launch chain (the router and gate_up launched without PDL): the before
+                  of round 6 in the same run
   nvfp4/mma-route the same experts behind the separate route kernel, weight cast and alignment
   nvfp4/mma-parts nvfp4/mma without the top-k combine launch: the engine's decode layer hands the
                   uncombined partials to the shared expert's down projection, which sums them
@@ -155,8 +155,8 @@ def ours(logits, x, top_k, w13, w2, path=None):
     return experts.moe_experts(x, topw, ids, w13, w2, nvfp4_path=path)
 
 
-# round 5's MMA launch chain (experts.PDL_GATE_UP, experts.FUSED_COMBINE_MAX_TOKENS off; the routers without PDL)
-R5_CHAIN_ENV = {"LINRNN_MMA_PDL_GATE_UP": "0", "LINRNN_MMA_FUSED_COMBINE": "0", "LINRNN_ROUTE_PDL": "0"}
+# round 5's MMA launch chain (experts.PDL_GATE_UP off; the routers without PDL: router.ROUTE_PDL)
+R5_CHAIN_ENV = {"LINRNN_MMA_PDL_GATE_UP": "0", "LINRNN_ROUTE_PDL": "0"}
 
 
 def ours_engine_routing_r5(logits, x, top_k, w13, w2):
@@ -503,11 +503,9 @@ MMA_CANDIDATES = {
     "PDL on": {"pdl": True},
     "PDL on 2 units budget 64": {"pdl": True, "units": 2, "maxnreg": 64},
     "2 units budget 72": {"units": 2, "maxnreg": 72},
-    # round 6 (small batches): the chain around the GEMMs (experts.PDL_GATE_UP, experts.FUSED_COMBINE_MAX_TOKENS)
-    "round 5 chain": {"pdl_gate_up": False, "fused_combine": False},
-    "combine launch": {"fused_combine": False},
+    # round 6 (small batches): the chain around the GEMMs (experts.PDL_GATE_UP, router.ROUTE_PDL)
+    "round 5 chain": {"pdl_gate_up": False, "env": {"LINRNN_ROUTE_PDL": "0"}},
     "gate_up plain": {"pdl_gate_up": False},
-    "fused combine": {"fused_combine": True},
     "split to 1/SM": {"per_sm": 1},
     # B = 1: ~4 CTAs per SM, so a larger register budget keeps every K step's loads of a split in flight at once
     "2 units budget 128": {"units": 2, "maxnreg": 128},

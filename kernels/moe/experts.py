@@ -330,22 +330,11 @@ def mma_splits(num_pairs: int, p13, p2, num_sms: int, warps: int = 4, groups: tu
                  for p, g in ((p13, groups[0]), (p2, groups[1])))
 
 
-# Up to this many tokens moe_experts_mma's down kernel also does the top-k / split-K combine in its epilogue (per
-# (token, row tile) tickets, nvfp4_mma._combine_token) instead of grouped_gemm.sum_reduce's launch (bitwise the same
-# output). Off (0): it only moves the combine's latency into the down kernel's last CTAs. H200, one 35B-A3B layer,
-# round 6 call 1 (benchmarks/results/kernels/moe/round6_small/): 22.2 vs 22.3 us at B = 1 (MMA kernels 12.0 vs
-# 10.3 + sum_reduce 1.8), 54.4 vs 50.2 at B = 8. LINRNN_MMA_FUSED_COMBINE=0 turns it off where this is raised
-FUSED_COMBINE_MAX_TOKENS = 0
-
 # Under PDL the gate_up kernel is launched with PDL too: it waits for the router (which lets it launch at its start)
 # before anything else and only then lets the down kernel launch, so its launch overlaps the router. H200, one
 # 35B-A3B layer, round 6 call 1 (the MMA candidates, with route() and the alignment under PDL off): 0.5-0.8 us faster
 # at B = 1 .. 256 (22.2 vs 22.8 at B = 1, 157.7 vs 158.5 at 128). LINRNN_MMA_PDL_GATE_UP=0: launched plainly (round 5)
 PDL_GATE_UP = True
-
-
-def fused_combine_default(num_tokens: int) -> bool:
-    return num_tokens <= FUSED_COMBINE_MAX_TOKENS and os.environ.get("LINRNN_MMA_FUSED_COMBINE", "1") != "0"
 
 
 def pdl_gate_up_default(pdl: bool) -> bool:
@@ -359,7 +348,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
                     n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
-                    pdl_gate_up: bool | None = None, fused_combine: bool | None = None):
+                    pdl_gate_up: bool | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -372,8 +361,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     drains and wait for it before reading h; the down kernel lets the combine (or the engine's shared-expert down
     projection) launch the same way. Bitwise the same results.
     pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
-    first. fused_combine (combine; default fused_combine_default): the down kernel adds the top-k / split-K partials
-    itself (no sum_reduce launch; the same bits).
+    first. (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
+    benchmarks/results/kernels/moe/round6_small/.)
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -389,8 +378,6 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     maxnreg = tile[1] if maxnreg is None else maxnreg
     pdl = nvfp4_mma.pdl_default(x.device) if pdl is None else pdl
     pdl_gate_up = pdl and (pdl_gate_up_default(pdl) if pdl_gate_up is None else pdl_gate_up)
-    fused_combine = combine and not persistent and (fused_combine_default(T) if fused_combine is None
-                                                    else fused_combine)
     sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
     if splits is None:
@@ -429,10 +416,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         if not fused_reduce:
             gg.silu_mul_reduce(ws, h)
     nvfp4_mma.launch(h, p2, part, route_weights=route_w, split=s2, groups=groups[1], n_fastest=order[1],
-                     pdl_wait=pdl, pdl_trigger=pdl, combine_out=out if fused_combine else None, combine_group=top_k,
-                     **common, **cap)
+                     pdl_wait=pdl, pdl_trigger=pdl, **common, **cap)
     if not combine:
         return Partials(part, top_k)
-    if not fused_combine:
-        gg.sum_reduce(part, out, group=top_k, pdl=pdl)
+    gg.sum_reduce(part, out, group=top_k, pdl=pdl)
     return out

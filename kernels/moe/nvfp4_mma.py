@@ -44,12 +44,7 @@ projection, both waiting before they read the partials) launch the same way. An 
 before its first load (no weight prefetch, both kernels launched with PDL) measured slower in the engine
 (benchmarks/results/small_round4/). pdl_wait_first (WAIT_FIRST): gate_up itself launched with PDL right behind the
 router, waiting for it before anything else and only then letting the down kernel launch (its launch overlaps the
-router; the down kernel's pre-wait loads still see the alignment).
-
-The top-k combine can run in the down kernel's epilogue (combine_out, COMBINE = top-k; experts.FUSED_COMBINE_MAX_TOKENS,
-off by default: measured no faster than sum_reduce's launch): after storing its partials a CTA arrives, per token in
-its expert block, at a (token, row tile) ticket; the token's last arrival (top-k x split-K of them) adds its
-partials in sum_reduce's order (the same bits) and resets the ticket.
+router; the down kernel's pre-wait loads still see the alignment; benchmarks/results/kernels/moe/round6_small/).
 
 Gluon kernels do not run under TRITON_INTERPRET; `available()` says whether this path can run.
 """
@@ -218,7 +213,7 @@ if HAVE_GLUON:
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
-            WAIT_FIRST: gl.constexpr = False, COMBINE: gl.constexpr = 0):
+            WAIT_FIRST: gl.constexpr = False):
         if WAIT_FIRST:  # PDL, launched right behind the kernel that wrote the alignment: nothing to load before it
             gdc_wait()
         if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output;
@@ -236,7 +231,7 @@ if HAVE_GLUON:
                    sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
                    num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                    A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, COMBINE)
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV)
         if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
             gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
@@ -248,18 +243,16 @@ if HAVE_GLUON:
                    SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                    DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                    GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                   WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False,
-                   COMBINE: gl.constexpr = 0):
+                   WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False):
         """Row tile pid_n (GROUPS groups of 16 * WARPS rows) x K split pid_k of expert block pid_m; SIGNAL: count
-        the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent kernel's down tiles wait on it).
-        COMBINE (down, top-k = COMBINE): the top-k combine in the epilogue (_combine_token)."""
+        the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent kernel's down tiles wait on it)."""
         expert = gl.load(expert_ids_ptr + pid_m)
         if expert >= 0:
             _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
                             out_ptr, stride_os, stride_om, sorted_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, done_ptr,
                             num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                             A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                            TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, COMBINE)
+                            TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV)
 
     @gluon.jit
     def _gemm_tile_body(expert, pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
@@ -269,7 +262,7 @@ if HAVE_GLUON:
                         SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                         DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                         GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, COMBINE: gl.constexpr):
+                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr):
         """WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
         grid dependency wait (written by kernels that ended before the previous one began, or never), the
         activations (the previous kernel's output) after it."""
@@ -388,12 +381,6 @@ if HAVE_GLUON:
             else:
                 gl.store(out_ptr + pid_k * stride_os + rows_out + w_row[:, None],
                          acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
-                if COMBINE > 0:
-                    _cta_barrier()  # every thread's partial stores precede the releases below
-                    for n in gl.static_range(TOK):
-                        _combine_token(tick_ptr, sorted_ids_ptr + pid_m * TOK + n, num_rows,
-                                       pid_n * GROUPS + grp, n_tiles // WARPS, out_ptr, stride_os, stride_om,
-                                       h_ptr, stride_h, tile0 * 16, N, COMBINE, SPLIT_K, WARPS)
                 if FUSED_REDUCE:
                     # split-K reduction through a ticket per output tile: the last split to finish sums
                     # every split's partials in split order 0, 1, .. (bit-reproducible whoever is last),
@@ -485,32 +472,6 @@ if HAVE_GLUON:
         gl.atomic_add(counter, 1, sem="release", scope="gpu")
 
     @gluon.jit
-    def _combine_token(tick_ptr, slot_ptr, num_rows, tile, n_row_tiles, part_ptr, stride_ps, stride_pm, out_ptr,
-                       stride_out, row0, N, TOP_K: gl.constexpr, SPLIT_K: gl.constexpr, WARPS: gl.constexpr):
-        """The down kernel's top-k / split-K combine in its epilogue, for the token in one slot of the CTA's expert
-        block (its partials of row tile `tile`, rows row0 .. row0 + 16 * WARPS, stored; a CTA barrier since): the
-        CTA arrives at the (token, tile) ticket, and the last of the token's TOP_K x SPLIT_K arrivals (each pair is
-        in one expert block) adds out[token, rows] = sum_j sum_s part[s, token * TOP_K + j, rows] in
-        grouped_gemm.sum_reduce's order (the same bits) and resets the ticket. No float atomics."""
-        pair = gl.load(slot_ptr)
-        if pair < num_rows:
-            token = pair // TOP_K
-            tick = tick_ptr + token * n_row_tiles + tile
-            done = gl.atomic_add(tick, 1, sem="acq_rel", scope="gpu")
-            if done == TOP_K * SPLIT_K - 1:
-                _cta_barrier()
-                cl: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-                rows = row0 + gl.arange(0, 16 * WARPS, layout=cl)
-                ok = rows < N
-                acc = gl.zeros([16 * WARPS], gl.float32, layout=cl)
-                for j in gl.static_range(TOP_K):
-                    base = part_ptr + (token * TOP_K + j).to(gl.int64) * stride_pm + rows
-                    for s in gl.static_range(SPLIT_K):
-                        acc += gl.load(base + s * stride_ps, mask=ok, other=0.0, cache_modifier=".cg")
-                gl.store(out_ptr + token.to(gl.int64) * stride_out + rows, acc.to(out_ptr.dtype.element_ty), mask=ok)
-                gl.store(tick, 0)
-
-    @gluon.jit
     def _silu_store(acc, out_ptr, stride_om, sorted_ids_ptr, pid_m, tile0, N, num_rows, WARPS: gl.constexpr,
                     TOK: gl.constexpr):
         """Gated epilogue: accumulator rows [w, r8, g] hold gate (r8 = 0) and up (r8 = 1) of the same output
@@ -597,18 +558,12 @@ TICKETS = 1 << 16
 _tickets: dict = {}
 
 
-def tickets(device, kind: str = "split") -> torch.Tensor:
-    """The int32 tickets of one use: "split" (gate_up's fused split-K reduction), "combine" (the down kernel's
-    fused combine: its own, since the down kernel runs beside gate_up's tail under PDL)."""
-    key = torch.device(device) if kind == "split" else (kind, torch.device(device))
-    t = _tickets.get(key)
+def tickets(device) -> torch.Tensor:
+    device = torch.device(device)
+    t = _tickets.get(device)
     if t is None:
-        t = _tickets[key] = torch.zeros(TICKETS, dtype=torch.int32, device=torch.device(device))
+        t = _tickets[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
     return t
-
-
-def combine_tickets(device) -> torch.Tensor:
-    return tickets(device, "combine")
 
 
 def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: int, num_m_blocks: int,
@@ -616,8 +571,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
-           pdl_trigger: bool = False, pdl_wait_first: bool = False, combine_out: torch.Tensor | None = None,
-           combine_group: int = 0):
+           pdl_trigger: bool = False, pdl_wait_first: bool = False):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -627,9 +581,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     token ids and first weights loaded before the grid dependency wait, so the previous kernel (the one whose
     output x is) must have been launched without PDL, after those were written (or with pdl_wait_first).
     pdl_wait_first: launched with PDL, waiting for the previous kernel before anything else (then pdl_trigger):
-    the gate_up kernel right behind the router that wrote its alignment.
-    combine_out [rows / combine_group, N] (down, f32 partials out): the top-k combine in the epilogue (the last CTA
-    of each row tile adds every token's partials, grouped_gemm.sum_reduce's order; no combine launch)."""
+    the gate_up kernel right behind the router that wrote its alignment."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -648,22 +600,12 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     fused = h is not None
     if fused and not (w.gated and split > 1 and grid[0] * groups <= TICKETS):
         raise ValueError(f"the fused split-K reduction needs gated weights, split > 1 and <= {TICKETS} tiles")
-    combine = combine_out is not None
-    if combine and (w.gated or out.dim() != 3 or num_rows % combine_group
-                    or tuple(combine_out.shape) != (num_rows // combine_group, w.n)
-                    or num_rows // combine_group * (T // warps) > TICKETS):
-        raise ValueError(f"the fused combine needs down weights, f32 partials [split, rows, N] and an output "
-                         f"[{num_rows} / {combine_group}, {w.n}]; got {tuple(combine_out.shape)}")
-    if combine:
-        h, tick = combine_out, combine_tickets(x.device)
-    else:
-        tick = tickets(x.device) if fused else sorted_ids
     dummy = out
     _nvfp4_mma_kernel[grid](
         x, x.stride(0), w.codes, scales32, w.row_scale, out,
         out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
         sorted_ids, expert_ids, route_weights if route_weights is not None else dummy,
-        h if fused or combine else dummy, h.stride(0) if fused or combine else 0, tick,
+        h if fused else dummy, h.stride(0) if fused else 0, tickets(x.device) if fused else sorted_ids,
         num_rows, w.n, w.k, T, U, num_m_blocks,
         w.codes.stride(0), scales32.stride(0), w.row_scale.stride(0),
         A_ROW_DIV=a_row_div, GATED=w.gated, ROUTE_WEIGHTED=route_weights is not None,
@@ -671,8 +613,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS, GAIN=lay.DECODE_GAIN, TOK=tokens,
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
-        WAIT_FIRST=pdl_wait_first, COMBINE=combine_group if combine else 0,
-        num_warps=warps, maxnreg=maxnreg, **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
+        WAIT_FIRST=pdl_wait_first, num_warps=warps, maxnreg=maxnreg,
+        **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
 
 
 # the persistent kernel holds both GEMMs' state (74 registers uncapped, 6 CTAs per SM); capped at 64 it
@@ -682,7 +624,12 @@ PERSISTENT_MAXNREG = 64
 
 def _sync(device) -> torch.Tensor:
     """The persistent kernel's counters (work, exits, one per expert block), zero between launches."""
-    return tickets(device, "sync")
+    device = torch.device(device)
+    key = ("sync", device)
+    t = _tickets.get(key)
+    if t is None:
+        t = _tickets[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return t
 
 
 def launch_persistent(x: torch.Tensor, p13: lay.PackedNvfp4, p2: lay.PackedNvfp4, h: torch.Tensor, ws, part: torch.Tensor,
@@ -728,9 +675,9 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     route_weighted: bool = False, arch: int = 90, tokens: int = 8, groups: int = 1,
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
                     maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
-                    pdl_wait_first: bool = False, combine: int = 0):
-    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_* as in launch; combine: the
-    down kernel's fused top-k combine for this top-k); returns the CompiledKernel."""
+                    pdl_wait_first: bool = False):
+    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_* as in launch); returns the
+    CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
            "out_ptr": "*bf16" if (gated and split == 1) else "*fp32", "stride_os": "i32", "stride_om": "i32",
@@ -741,7 +688,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   UNITS=units, WARPS=warps, EVEN_K=True, DECODE=DECODE_ASM, CONSTRAINTS=DECODE_CONSTRAINTS,
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
-                  WAIT_PREV=pdl_wait, WAIT_FIRST=pdl_wait_first, COMBINE=combine)
+                  WAIT_PREV=pdl_wait, WAIT_FIRST=pdl_wait_first)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -851,21 +798,21 @@ def sass_loop_stats(k, mma_op: str, weights_per_iter: int) -> dict:
 
 def pdl_order_stats(gated: bool = False, split: int = 2, units: int = DEFAULT_UNITS, prefetch: bool = DEFAULT_PREFETCH,
                     maxnreg: int | None = 80, pdl_wait: bool = True, pdl_trigger: bool = True,
-                    pdl_wait_first: bool = False, combine: int = 0) -> dict:
+                    pdl_wait_first: bool = False) -> dict:
     """Where the grid dependency instructions sit in the kernel compiled for sm_90 (no GPU; evict-first weight loads,
     so LDG.E.EF are weights and plain 16-byte LDG activations): `trigger_first` (launch_dependents, PREEXIT, before
-    any load), `wait_before_trigger` (a grid dependency wait, ACQBULK, before it), the weight / activation / other
-    loads issued before the first wait, whether every EXIT directly follows a wait, the atomics of the kernel and
-    the K loop's statistics (k_loop_stats). pdl_wait_first, combine: as in compile_offline."""
+    any load), `wait_before_trigger` (a grid dependency wait, ACQBULK, before it), the weight / activation / all
+    loads issued before the first wait, whether every EXIT directly follows a wait, and the K loop's statistics
+    (k_loop_stats). pdl_wait_first: as in compile_offline."""
     import re
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "pdl_order_stats", gated=gated, split=split, units=units, prefetch=prefetch,
                                 maxnreg=maxnreg, pdl_wait=pdl_wait, pdl_trigger=pdl_trigger,
-                                pdl_wait_first=pdl_wait_first, combine=combine)
+                                pdl_wait_first=pdl_wait_first)
     k = compile_offline(gated=gated, split=split, units=units, route_weighted=not gated, prefetch=prefetch,
                         fused_reduce=gated and split > 1, weight_hint="evict_first", maxnreg=maxnreg,
-                        pdl_wait=pdl_wait, pdl_trigger=pdl_trigger, pdl_wait_first=pdl_wait_first, combine=combine)
+                        pdl_wait=pdl_wait, pdl_trigger=pdl_trigger, pdl_wait_first=pdl_wait_first)
     body = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", _sass(k.asm["cubin"]))]
     ops = [re.sub(r"^@!?U?P\w+\s+", "", t) for t in body]
     first_wait = next((i for i, t in enumerate(ops) if t.startswith("ACQBULK")), len(ops))
@@ -877,7 +824,6 @@ def pdl_order_stats(gated: bool = False, split: int = 2, units: int = DEFAULT_UN
     return {"trigger_first": trigger is not None and trigger < first_load,
             "wait_before_trigger": trigger is not None and first_wait < trigger,
             "loads_before_wait": sum(t.startswith("LDG") for t in before),
-            "atomics": [t.split()[0] for t in ops if re.match(r"(ATOMG|RED)\b", t)],
             "waits": sum(t.startswith("ACQBULK") for t in ops),
             "weight_loads_before_wait": sum(t.startswith("LDG.E.EF") for t in before),
             "activation_loads_before_wait": sum(bool(re.match(r"LDG\.E\.128\b", t)) for t in before),
