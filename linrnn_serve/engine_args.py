@@ -196,8 +196,9 @@ class EngineArgs:
                                       "request never waits (default: on in the server's engine core)",
                                       action=argparse.BooleanOptionalAction)
     burst_head_start: bool | None = _f(None, "with --coalesce-bursts, a held burst's first arrivals (>= 1024 prompt "
-                                       "tokens, 2 ms after the first) start prefilling while the rest arrive; they "
-                                       "decode with the rest (default: on with burst coalescing)",
+                                       "tokens, 2 ms after the first, while bursts come back >= 14 ms spread) start "
+                                       "prefilling while the rest arrive; they decode with the rest (default: on "
+                                       "with burst coalescing)",
                                        action=argparse.BooleanOptionalAction)
     mixed_batch: bool | None = _f(None, "a step with prompts to prefill runs its decode rows in the same forward, "
                                   "as one-token chunks (one forward per step, not two); their logits then "

@@ -161,7 +161,7 @@ def test_head_start_rules():
     assert h.head_start(t, 1.0, [128] * 11, buckets) is None
     h.finished(4, 3.0)
     for k in range(4):
-        h.arrived(3.01 + k * 0.004)  # 12 ms
+        h.arrived(3.01 + k * (HEAD_START_MIN_SPREAD_S + 0.003) / 3)  # spread out
     assert h.head_start(t, 1.0, [128] * 11, buckets) == 1280
 
 

@@ -23,10 +23,12 @@ until its last request arrives (at c = 64 on the H200 a wave's arrivals spread o
 waited HEAD_START_AFTER_S, the prompts already there (at least HEAD_START_MIN_TOKENS, whole prompts up to the
 largest prefill bucket they fill, so the step is not padded) start prefilling; the rest prefill in one step when
 the hold ends. The engine keeps the early ones from decoding until then (LLMEngine: parked), so the burst still
-decodes, and ends, as one: a burst that ran ahead would split the next wave again. One head start per hold: every
-prefill forward reads all expert weights (~5 ms on the H200), so more, smaller steps would cost more than they hide;
-and only while bursts come back spread out (the last whole burst's first -> last arrival >= HEAD_START_MIN_SPREAD_S,
-or none measured yet): a burst that arrives within a few ms gains less than the extra forward costs. The engine-core process turns it on
+decodes, and ends, as one: a burst that ran ahead would split the next wave again. One head start per hold: a
+prefill forward costs ~10 ms beyond its tokens on the H200 (all expert weights read, per-layer launches; the round-3
+probe's 64 x 128 and 16 x 129 forwards fit 13.7 us per token + ~10 ms), so more, smaller steps cost more than they
+hide; and only while bursts come back spread out (the last whole burst's first -> last arrival at the core >=
+HEAD_START_MIN_SPREAD_S, or none measured yet): a burst that arrives within ~12 ms (the 2 ms delay + that fixed
+cost) gains less than the extra forward costs. The core logs the bursts' mean spread at exit. The engine-core process turns it on
 (--coalesce-bursts, default on there); the offline engine adds its requests at once and has nothing to wait for.
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ IMMINENT_STEPS = 3  # a running burst this many steps from its length limit is w
 MAX_HOLD_S = 0.05  # the longest a waiting request is held
 HEAD_START_AFTER_S = 0.002  # a burst that has not all arrived this long after its first request gets a head start
 HEAD_START_MIN_TOKENS = 1024  # ... of at least this many prompt tokens (a smaller forward hides less than it costs)
-HEAD_START_MIN_SPREAD_S = 0.008  # ... while the last burst took at least this long to come back (first -> last)
+HEAD_START_MIN_SPREAD_S = 0.014  # ... while the last burst took at least this long to come back (first -> last)
 
 
 class BurstHold:
@@ -54,6 +56,7 @@ class BurstHold:
         self.head_starts = 0  # early prefills of a held burst's first arrivals (stats)
         self._burst_first: float | None = None  # the first arrival that repaid the current burst
         self.last_spread: float | None = None  # first -> last arrival of the last burst that came back whole
+        self.spreads = [0, 0.0]  # bursts that came back whole, their spreads' sum (stats)
 
     def finished(self, n: int, now: float) -> None:
         """n requests finished (not aborted) in the step postprocessed at `now`."""
@@ -71,6 +74,8 @@ class BurstHold:
             if not self._owed:
                 self._repaid = now
                 self.last_spread = now - self._burst_first
+                self.spreads[0] += 1
+                self.spreads[1] += self.last_spread
         self._last_arrival = now
 
     def _expire(self, now: float) -> None:

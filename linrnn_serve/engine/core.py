@@ -303,8 +303,11 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
                      st["core_bind_windows_total"], 1e3 * st["core_bind_window_seconds_total"] /
                      max(st["core_bind_windows_total"], 1), st["core_bind_window_arrivals_total"], engine.clock.measured)
         if engine.burst is not None:
-            log.info("burst coalescing: %d holds, %.1f ms waited with nothing else to run, %d head starts",
-                     engine.burst.holds, 1e3 * st["core_burst_idle_seconds_total"], engine.burst.head_starts)
+            b = engine.burst
+            log.info("burst coalescing: %d holds, %.1f ms waited with nothing else to run, %d head starts; %d bursts "
+                     "came back whole, first -> last arrival %.1f ms on average", b.holds,
+                     1e3 * st["core_burst_idle_seconds_total"], b.head_starts, b.spreads[0],
+                     1e3 * b.spreads[1] / max(b.spreads[0], 1))
         try:
             engine.shutdown()  # stops tensor-parallel worker processes
         except Exception:  # noqa: BLE001 -- best effort: the core is exiting anyway
