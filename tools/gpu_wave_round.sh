@@ -4,7 +4,8 @@
 #      not run; the ratios then use final_run_7's numbers, said so in the report)
 #   B. per '|'-separated flag set of SERVE_FLAGS (default "|--mixed-batch"; labels 0, 1, ...): one server
 #      (--max-num-seqs 64), bench serve in 128 / out 128 at concurrency 1, 64, 64; a flag set starts only if
-#      the call has >= 95 s left of BUDGET (default 232 s): a server takes ~65 s to start
+#      the call has >= 95 s left of BUDGET (default 232 s): a server takes ~65 s to start; CONC_REST=64: the flag sets
+#      after the first run c = 64 once only and start with >= NEED_REST (default 70) s left
 #   B2. CONTROL="ENV=VALUE ..." (e.g. LINRNN_PREFILL_GRAPH_MAX_TOKENS=4096): bench batched --npl 64 --ntg 8 again
 #      under that environment, if >= ${CONTROL_MIN:-55} s are left: T_PP of the same 8192-token step, A/B in one call
 #   C. the report: the acceptance lines (c = 64 output tok/s >= 0.9 x S_TG; c = 1 TTFT median <= 25 ms; c = 1 TPOT
@@ -29,7 +30,7 @@ serve_one() {  # $1 label, $2 port, then extra server flags
   for _ in $(seq 1 110); do curl -sf 127.0.0.1:$port/health >/dev/null && break; sleep 1; done
   echo "[$SECONDS s] server$label up (flags: $*)" | tee -a $W/report.md
   timeout $((BUDGET - SECONDS - 6)) python3 -m linrnn_serve bench serve --base-url http://127.0.0.1:$port \
-    --input-len 128 --output-len 128 --max-concurrency 1,64,64 --out $W/serve$label.json > $W/serve$label.log 2>&1
+    --input-len 128 --output-len 128 --max-concurrency $CONC --out $W/serve$label.json > $W/serve$label.log 2>&1
   echo "[$SECONDS s] serve$label: rc $?" | tee -a $W/report.md
   kill -INT $srv; wait $srv
   grep -E "captured .* CUDA graphs|warm-up:" $W/server$label.log | sed 's/.*\]: //' | tee -a $W/report.md
@@ -39,7 +40,9 @@ IFS='|' read -ra FLAG_SETS <<< "${SERVE_FLAGS-|--mixed-batch}"
 [ ${#FLAG_SETS[@]} -eq 0 ] && FLAG_SETS=("")
 LABELS=()
 for i in "${!FLAG_SETS[@]}"; do
-  if [ $((BUDGET - SECONDS)) -lt 95 ]; then
+  CONC=1,64,64; NEED=95
+  [ $i -gt 0 ] && [ -n "${CONC_REST-}" ] && CONC=$CONC_REST && NEED=${NEED_REST:-70}  # e.g. a control at c = 64 only
+  if [ $((BUDGET - SECONDS)) -lt $NEED ]; then
     echo "[$SECONDS s] server_$i (flags: ${FLAG_SETS[$i]}) not started: $((BUDGET - SECONDS)) s left" | tee -a $W/report.md
     continue
   fi
