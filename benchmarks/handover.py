@@ -291,7 +291,7 @@ def run_traced(out: str, label: str, pace: str, server_flags: list[str], client_
     subprocess.run(["rm", "-rf", trace])
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    flags = server_flags[1:] if server_flags[:1] == ["--"] else server_flags
+    flags = [f for f in server_flags if f != "--"]  # (the callers' own flags come before a `-- flags` remainder)
     log = open(os.path.join(out, f"server_{label}.log"), "w")
     srv = subprocess.Popen([sys.executable, "-m", "linrnn_bench.handover", "server", trace, "--model", "default",
                             "--host", "127.0.0.1", "--port", str(port), *flags],

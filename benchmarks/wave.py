@@ -14,6 +14,10 @@ decodes again. From the core's trace (serve_probe core: adds, step calls with th
 token sends), per wave:
 
     hand-back     the previous wave's last token sent by the core -> this wave's first request at the core
+    to launch     ... -> the first step call launching a prefill of the wave: the whole hand-back (a synchronized
+                  wave's GPU idles for it); from the API server's trace, its parts: the server writes the
+                  finished streams' last SSE frames, the clients turn around (-> the server's first ASGI call of
+                  the wave), the server parses the wave's requests and hands them to the core (-> the last one)
     spread        first -> last request of the wave at the core
     wait          first request at the core -> the first step call launching a prefill of the wave
     prefill steps step calls launching prefill rows of the wave, and their token counts
@@ -33,9 +37,11 @@ import sys
 from linrnn_bench.handover import load_core, med, run_stamp, run_traced
 
 
-def waves(core: list[list], concurrency: int, output_len: int, gap_s: float = 0.3) -> list[dict]:
+def waves(core: list[list], concurrency: int, output_len: int, gap_s: float = 0.3,
+          server: list[list] | None = None) -> list[dict]:
     """Group the core's adds into waves (adds more than gap_s apart: a new wave; at c = 64, out 128 waves are
-    ~1.4 s apart, a split wave's adds < 0.3 s) and time each."""
+    ~1.4 s apart, a split wave's adds < 0.3 s) and time each. With the API server's trace (`server`), the
+    hand-back's parts on its side too (`hand_back_parts`)."""
     adds = sorted((e[1], e[2]) for e in core if e[0] == "add")
     steps = sorted((e for e in core if e[0] == "step" and len(e) > 4 and e[4]), key=lambda e: e[1])
     sends = sorted((e for e in core if e[0] == "core"), key=lambda e: e[1])
@@ -60,14 +66,33 @@ def waves(core: list[list], concurrency: int, output_len: int, gap_s: float = 0.
         f = [first[r] for r in rids if r in first]
         t_first = max(f) if f else None
         pre = [s for s in steps if t0 - 1e-6 <= s[1] and (t_first is None or s[1] <= t_first) and s[4][1]]
+        to_launch = 1e3 * (pre[0][1] - prev_last) if pre and prev_last is not None else None
         out.append({
             "requests": len(g), "hand_back_ms": 1e3 * (t0 - prev_last) if prev_last is not None else None,
+            "to_launch_ms": to_launch,
+            **(hand_back_parts(server, {r for _, r in groups[i - 1]}, rids, prev_last, output_len)
+               if server is not None and prev_last is not None else {}),
             "spread_ms": 1e3 * (t1 - t0), "wait_ms": 1e3 * (pre[0][1] - t0) if pre else None,
             "prefill_steps": len(pre), "prefill_tokens": [s[4][2] for s in pre],
             "decode_rows_beside": [s[4][0] for s in pre],
             "first_token_ms": 1e3 * (t_first - t0) if t_first is not None else None,
             "wave_ms": 1e3 * (groups[i + 1][0][0] - t0) if i + 1 < len(groups) else None})
     return out
+
+
+def hand_back_parts(server: list[list], prev: set[str], rids: set[str], prev_last: float, output_len: int) -> dict:
+    """The API server's and client's parts of a wave's hand-back (ms), from the core's last token of the previous
+    wave (`prev` requests) at `prev_last`: until the server has written the last of their final SSE frames, then
+    until its first ASGI call of this wave's requests (`rids`: the clients' turnaround, as the server's event loop
+    sees it), then until it hands the last of them to the core."""
+    final = [e[1] + (e[3] if len(e) > 3 else 0.0) for e in server
+             if e[0] == "sse" and any(r in prev and n >= output_len for r, n in e[2])]
+    asgi = [e[1] for e in server if e[0] == "http_in_rid" and e[2] in rids]
+    handed = [e[1] for e in server if e[0] == "add_sent" and e[2] in rids]
+    if not (final and asgi and handed):
+        return {}
+    return {"server_finish_ms": 1e3 * (max(final) - prev_last), "turnaround_ms": 1e3 * (min(asgi) - max(final)),
+            "server_intake_ms": 1e3 * (max(handed) - min(asgi))}
 
 
 def format_waves(ws: list[dict]) -> str:
@@ -85,8 +110,10 @@ def format_waves(ws: list[dict]) -> str:
 
 def summary(ws: list[dict], concurrency: int) -> dict:
     full = [w for w in ws[1:] if w["requests"] == concurrency]  # wave 0: the warm-up's tail and the start
-    pick = lambda k: med([w[k] for w in full if w[k] is not None])  # noqa: E731
-    return {"waves": len(full), "hand_back_ms": pick("hand_back_ms"), "spread_ms": pick("spread_ms"),
+    pick = lambda k: med([w[k] for w in full if w.get(k) is not None])  # noqa: E731
+    return {"waves": len(full), "hand_back_ms": pick("hand_back_ms"), "to_launch_ms": pick("to_launch_ms"),
+            **{k: pick(k) for k in ("server_finish_ms", "turnaround_ms", "server_intake_ms")
+               if any(k in w for w in full)}, "spread_ms": pick("spread_ms"),
             "wait_ms": pick("wait_ms"), "prefill_steps": pick("prefill_steps"),
             "first_token_ms": pick("first_token_ms"), "wave_ms": pick("wave_ms")}
 
@@ -105,7 +132,7 @@ def run_main(a) -> int:
     with open(bench_json) as f:
         run = json.load(f)["runs"][0]
     core = load_core(trace)
-    ws = waves(core, a.concurrency, a.output_len)
+    ws = waves(core, a.concurrency, a.output_len, server=server["events"])
     s = summary(ws, a.concurrency)
     adds = [e[1] for e in core if e[0] == "add"]
     span = (min(adds), max(e[1] for e in core)) if adds else (0.0, 0.0)  # the measured run (warm-up included)
@@ -129,13 +156,18 @@ def run_main(a) -> int:
 
 def format_runs(runs: list[dict]) -> str:
     keys = (("full waves", "waves", "{}"), ("hand-back ms", "hand_back_ms", "{:.1f}"),
+            ("hand-back to the prefill launch ms", "to_launch_ms", "{:.1f}"),
+            ("... server: last final SSE written ms", "server_finish_ms", "{:.1f}"),
+            ("... clients' turnaround: then the first ASGI call ms", "turnaround_ms", "{:.1f}"),
+            ("... server: first ASGI call -> last hand-over ms", "server_intake_ms", "{:.1f}"),
             ("arrival spread ms", "spread_ms", "{:.1f}"), ("first add -> first prefill launch ms", "wait_ms", "{:.1f}"),
             ("prefill steps", "prefill_steps", "{:.1f}"), ("first add -> last first token ms", "first_token_ms",
                                                             "{:.1f}"), ("wave ms", "wave_ms", "{:.1f}"))
     lines = ["| per wave (median of full waves) | " + " | ".join(r["label"] for r in runs) + " |",
              "|---|" + "---:|" * len(runs)]
     for name, k, fmt in keys:
-        lines.append(f"| {name} | " + " | ".join(fmt.format(r["summary"][k]) for r in runs) + " |")
+        lines.append(f"| {name} | " + " | ".join(fmt.format(r["summary"][k]) if r["summary"].get(k) is not None
+                                                 else "-" for r in runs) + " |")
     for who in ("server", "core", "client"):
         lines.append(f"| GC pauses > 2 ms, {who}: count / total / max ms | " + " | ".join(
             "{count} / {total_ms:.0f} / {max_ms:.0f}".format(**r["summary"]["gc"][who]) if "gc" in r["summary"]

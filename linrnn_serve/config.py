@@ -358,3 +358,6 @@ class EngineConfig:
     # burst coalescing (engine/burst.py): the engine-core process holds new prompts back briefly so that a burst of
     # arrivals prefills in one step. None: on in the engine-core process (the offline engine never holds)
     coalesce_bursts: bool | None = None
+    # a held burst's first arrivals prefill while the rest arrive (engine/burst.py, head start). None: on with
+    # burst coalescing
+    burst_head_start: bool | None = None

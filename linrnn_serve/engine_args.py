@@ -195,6 +195,11 @@ class EngineArgs:
                                       "a batch about to end) so that the burst prefills in one step; a lone "
                                       "request never waits (default: on in the server's engine core)",
                                       action=argparse.BooleanOptionalAction)
+    burst_head_start: bool | None = _f(None, "with --coalesce-bursts, a held burst's first arrivals (>= 1024 prompt "
+                                       "tokens, 2 ms after the first, while bursts come back >= 14 ms spread) start "
+                                       "prefilling while the rest arrive; they decode with the rest (default: on "
+                                       "with burst coalescing)",
+                                       action=argparse.BooleanOptionalAction)
     mixed_batch: bool | None = _f(None, "a step with prompts to prefill runs its decode rows in the same forward, "
                                   "as one-token chunks (one forward per step, not two); their logits then "
                                   "depend on who else is prefilling in the last bits (default: off, see "
@@ -305,7 +310,7 @@ class EngineArgs:
             else max(human_int(self.max_num_batched_tokens), self.max_num_seqs),
             gpu_memory_utilization=self.gpu_memory_utilization, block_size=self.block_size,
             enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling, late_binding=self.late_binding,
-            coalesce_bursts=self.coalesce_bursts,
+            coalesce_bursts=self.coalesce_bursts, burst_head_start=self.burst_head_start,
             mixed_batch=self.mixed_batch,
             ssm_bf16_tau=float(self.ssm_bf16_tau),
             ssm_calibration=self.ssm_calibration, seed=self.seed, max_queue_len=self.max_queue_len,

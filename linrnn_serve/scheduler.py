@@ -297,8 +297,11 @@ class Scheduler:
         """Running sequences that reach their length limit within `steps` more decode steps."""
         return sum(1 for s in self.running if s.max_len - len(s.token_ids) - s.num_inflight <= steps)
 
-    def schedule(self, admit: bool = True) -> StepPlan:
-        """The next step's plan; `admit=False` leaves the waiting queue where it is (engine/burst.py)."""
+    def schedule(self, admit: bool = True, admit_tokens: int | None = None,
+                 parked: set[str] | frozenset = frozenset()) -> StepPlan:
+        """The next step's plan; `admit=False` leaves the waiting queue where it is (engine/burst.py).
+        `admit_tokens`: admit whole prompts of at most this many tokens in all (a burst's head start); `parked`:
+        request ids whose running sequences do not decode this step (their burst's rest is still prefilling)."""
         plan = StepPlan()
         plan.snapshot_saves_before, self._pending_saves = self._pending_saves, []
         budget = self.cfg.max_num_batched_tokens
@@ -309,6 +312,8 @@ class Scheduler:
         # row objects persist per sequence and are updated in place)
         running, bs, refcount, decode = RUNNING, self.cfg.block_size, self.blocks.refcount, plan.decode
         for seq in list(self.running):
+            if parked and seq.group.request_id in parked:
+                continue
             toks, pos, inflight = seq.token_ids, seq.num_computed, seq.num_inflight
             n_toks = len(toks) + inflight
             if seq.status is not running or n_toks - pos != 1 or seq.pending_children:  # not decode_ready
@@ -355,14 +360,18 @@ class Scheduler:
             budget -= n
 
         bs = self.cfg.block_size
-        while admit and self.waiting and budget > 0:  # 3. admission
+        left = budget if admit_tokens is None else min(budget, admit_tokens)
+        while admit and self.waiting and left > 0:  # 3. admission
             seq = self.waiting[0]
             if seq.num_inflight or self.slots.num_free < 1 + len(seq.pending_children):
                 break  # (preempted while a step sampling its next token is in flight: re-prefill once it arrives)
             m = self._lookup(seq)
             q = seq.num_computed = m.cached
             seq.divergence_at = m.matched if m.matched > q else None
-            n = min(len(seq.token_ids) - q, budget, self._chunk_cap(seq))  # 0: a full hit
+            n = min(len(seq.token_ids) - q, left, self._chunk_cap(seq))  # 0: a full hit
+            if admit_tokens is not None and n < len(seq.token_ids) - q:  # a head start takes whole prompts only
+                seq.num_computed, seq.divergence_at = 0, None
+                break
             # new blocks past the shared ones + a copy of the partly valid last shared block
             need = max(0, -(-(q + n) // bs) - len(m.blocks)) + (1 if q % bs else 0)
             reserve = self._watermark_blocks if self.running else 0
@@ -410,7 +419,7 @@ class Scheduler:
             else:
                 plan.cached.append(CachedSampleRow(m.node.snapshot, [self._sampling_row(seq)] +
                                                    self._fork_children(seq, plan)))
-            budget -= n
+            left -= n
         return plan
 
     def _lookup(self, seq: Sequence) -> PrefixMatch:

@@ -64,6 +64,8 @@ HELP = {
                               "their burst.",
     "core_burst_idle_seconds_total": "Burst coalescing: time the engine core waited, with nothing else to run, for "
                                      "the rest of a burst of arrivals.",
+    "core_burst_head_starts_total": "Burst coalescing: held bursts whose first arrivals started prefilling before "
+                                    "the rest arrived.",
     "request_refused_total": "Requests refused with an HTTP error, by status.",
 }
 

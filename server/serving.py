@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, TypeVar
 
 import anyio
 from pydantic import ValidationError
@@ -234,27 +234,36 @@ def apply_default_max_tokens(state: ServerState, params: SamplingParams, prompt_
 
 async def until_disconnect(request: Request, coro):
     """Await `coro`, cancelling it if the client disconnects first (then raise ClientDisconnected).
-    Streaming responses get the same from Starlette once they have started. `coro` runs in this task (a
-    task of its own would start a loop turn later: the request's hand-over to the engine and its first
-    token each waited for one more turn of a loop busy with every other stream); a watcher task cancels
-    this one on a disconnect."""
+    Streaming responses get the same from EventStreamResponse once they have started."""
+    gone, result = await cancel_on_disconnect(request.receive, coro)
+    if gone:
+        raise ClientDisconnected()
+    return result
+
+
+async def cancel_on_disconnect(receive, coro) -> tuple[bool, Any]:
+    """Await `coro`, cancelling it if the client disconnects first: (True, None) then, else (False, its result).
+    `coro` runs in this task (a task of its own would start a loop turn later: the request's hand-over to the
+    engine and its first token each waited for one more turn of a loop busy with every other stream); a watcher
+    task, never awaited, cancels this one on a disconnect (plain asyncio: an anyio task group and cancel scope
+    cost each of a c = 64 wave's 64 streams ~10 us more, at its start and at its end)."""
     route = asyncio.current_task()
     gone = False
 
     async def watch():
         nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
         gone = True
         route.cancel()
 
     watcher = asyncio.ensure_future(watch())
     try:
-        return await coro
+        return False, await coro
     except asyncio.CancelledError:
         if gone:  # our own cancellation: the client left
             route.uncancel()
-            raise ClientDisconnected() from None
+            return True, None
         raise
     finally:
         watcher.cancel()  # not awaited: nothing depends on it, and awaiting costs a loop turn

@@ -174,4 +174,16 @@ def test_wave_analysis_of_a_core_trace():
     assert w["wait_ms"] == pytest.approx(1.0) and w["prefill_steps"] == 2
     assert w["prefill_tokens"] == [8, 24] and w["decode_rows_beside"] == [0, 1]
     assert w["first_token_ms"] == pytest.approx(15.0) and ws[0]["wave_ms"] == pytest.approx(35.0)
+    assert w["to_launch_ms"] == pytest.approx(6.0)  # the last tokens at 30 ms -> b0's prefill launched at 36 ms
     assert summary(ws, 4)["prefill_steps"] == 2  # wave 0 (the start) is left out
+    # the API server's side: the finished streams' last frames written by 31.6 ms (their tokens before: not
+    # final), the first request of the wave at its ASGI entry at 33 ms, the last handed to the core at 38.9 ms
+    server = [["sse", 0.0305, [(f"a{i}", 3)], 0.0002 + 0.0003 * i] for i in range(4)]
+    server += [["sse", 0.021, [("a0", 2)], 0.0], ["sse", 0.050, [("b1", 1)], 0.0]]
+    server += [["http_in_rid", 0.033, "b0"], ["add_sent", 0.0349, "b0"]]
+    server += [["http_in_rid", 0.038 + 0.0001 * i, f"b{i}"] for i in range(1, 4)]
+    server += [["add_sent", 0.0386 + 0.0001 * i, f"b{i}"] for i in range(1, 4)]
+    ws = waves(ev, 4, 3, gap_s=0.0045, server=server)
+    assert ws[1]["server_finish_ms"] == pytest.approx(1.6) and ws[1]["turnaround_ms"] == pytest.approx(1.4)
+    assert ws[1]["server_intake_ms"] == pytest.approx(5.9) and "server_finish_ms" not in ws[0]
+    assert summary(ws, 4)["turnaround_ms"] == pytest.approx(1.4)

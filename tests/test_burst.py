@@ -139,3 +139,93 @@ def test_the_successors_of_a_burst_prefill_in_one_step(paced):
 def test_a_lone_client_is_never_held(paced):
     _, stats = _run_clients(True, 1, 0.0)
     assert stats["core_burst_holds_total"] == 0 and stats["core_burst_idle_seconds_total"] == 0
+
+
+def test_head_start_rules():
+    from linrnn_serve.engine.burst import HEAD_START_AFTER_S, HEAD_START_MIN_SPREAD_S, HEAD_START_MIN_TOKENS
+
+    h = BurstHold()
+    buckets = [16, 32, 64, 128, 256, 512, 1024, 1280, 1536, 2048]
+    assert HEAD_START_MIN_TOKENS == 1024
+    assert h.head_start(1.0, 1.0, [128] * 12, buckets) is None  # the first arrival just came: the rest may be close
+    t = 1.0 + HEAD_START_AFTER_S + 1e-6
+    assert h.head_start(t, 1.0, [128] * 7, buckets) is None  # too little to be worth a forward of its own
+    assert h.head_start(t, 1.0, [128] * 11, buckets) == 1280  # whole prompts up to the largest bucket they fill
+    assert h.head_start(t, 1.0, [600, 600, 400], buckets) == 1200  # in queue order, whole: 1200 of 1536 (sum 1600)
+    assert h.head_start(t, 1.0, [900, 900], buckets) is None  # the first alone is under the minimum
+    # the spread of the last burst that came back whole decides whether a head start pays
+    h.finished(4, 2.0)
+    for k in range(4):
+        h.arrived(2.01 + k * (HEAD_START_MIN_SPREAD_S - 0.001) / 3)  # all back within the minimum spread
+    assert h.last_spread == pytest.approx(HEAD_START_MIN_SPREAD_S - 0.001)
+    assert h.head_start(t, 1.0, [128] * 11, buckets) is None
+    h.finished(4, 3.0)
+    for k in range(4):
+        h.arrived(3.01 + k * (HEAD_START_MIN_SPREAD_S + 0.003) / 3)  # spread out
+    assert h.head_start(t, 1.0, [128] * 11, buckets) == 1280
+
+
+def test_scheduler_head_start_whole_prompts_and_parked_rows():
+    from linrnn_serve.cache import BlockAllocator, SlotAllocator
+    from linrnn_serve.runner.plan import StepResult
+    from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
+
+    sch = Scheduler(SchedulerConfig(4, 64, 64, 4), SlotAllocator(5), BlockAllocator(64))
+    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    for rid, n in (("a", 5), ("b", 5), ("c", 5)):
+        sch.add_request(Request(rid, list(range(1, n + 1)), p, 0))
+    plan = sch.schedule(admit_tokens=12)  # a and b fit whole; c would be chunked: it waits
+    assert [len(r.token_ids) for r in plan.prefill] == [5, 5] and sch.num_waiting_seqs == 1
+    sch.postprocess(plan, StepResult({r.samples[0].seq_id: 7 for r in plan.prefill}))
+    plan = sch.schedule(parked={"a", "b"})  # the rest prefills; the head start does not decode meanwhile
+    assert not plan.decode and len(plan.prefill) == 1
+    sch.postprocess(plan, StepResult({r.samples[0].seq_id: 7 for r in plan.prefill}))
+    plan = sch.schedule()
+    assert len(plan.decode) == 3  # the whole burst decodes together
+
+
+@pytest.fixture(scope="module")
+def offline_engine():
+    from linrnn_serve.llm import LLM
+
+    return LLM("default", progress=False).engine
+
+
+@pytest.mark.parametrize("head_start", [True, False])
+def test_a_held_burst_gets_a_head_start_and_still_decodes_as_one(head_start, monkeypatch, offline_engine):
+    """Twelve requests of a finished burst come back: after 8 (>= HEAD_START_MIN_TOKENS) and HEAD_START_AFTER_S those 8
+    prefill while the other 4 are on their way; the 4 prefill next while the 8 wait; then all 12 decode together
+    and end in the same step. The control (no head start) holds all 12 and prefills them in one step."""
+    from linrnn_serve.engine import burst, llm_engine
+    from linrnn_serve.engine.burst import HEAD_START_AFTER_S
+
+    for mod, name in ((burst, "OWED_S"), (burst, "MAX_HOLD_S"), (llm_engine, "MAX_HOLD_S")):
+        monkeypatch.setattr(mod, name, 30.0)  # CPU forwards are slow: no hold may expire in this test
+    monkeypatch.setattr(burst, "HEAD_START_MIN_TOKENS", 64)  # small prompts: 8 x 16 tokens make a head start
+    eng = offline_engine
+    eng.burst, eng.burst_head_start = BurstHold(), head_start
+    V = eng.model_config.vocab_size
+    p = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    eng.burst.finished(12, time.monotonic())
+    for i in range(8):
+        eng.add_request(f"r{i}", [(31 * i + j) % V for j in range(16)], p)
+    time.sleep(HEAD_START_AFTER_S + 0.001)
+    assert (eng.idle_hold_until() is None) == head_start  # the core steps for a head start, else waits
+    eng.step_requests()
+    assert len(eng.last_plan.prefill) == (8 if head_start else 0) and not eng.last_plan.decode
+    eng.step_requests()  # the rest is still on its way: nothing runs (the 8 do not decode ahead)
+    assert not eng.last_plan.prefill and not eng.last_plan.decode
+    assert eng.idle_hold_until() is not None
+    for i in range(8, 12):
+        eng.add_request(f"r{i}", [(31 * i + j) % V for j in range(16)], p)
+    eng.step_requests()  # the burst is in: its rest prefills (all 12 without a head start), nobody decodes
+    assert len(eng.last_plan.prefill) == (4 if head_start else 12) and not eng.last_plan.decode
+    ended = {}
+    while eng.has_unfinished_requests():
+        for req in eng.step_requests():
+            if req.finished_time is not None:
+                ended[req.request_id] = eng.num_steps
+        assert eng.last_plan.empty or len(eng.last_plan.decode) == 12
+    assert len(ended) == 12 and len(set(ended.values())) == 1  # one wave: all end in one step
+    assert eng.burst.head_starts == int(head_start)
+    eng.check_integrity()

@@ -440,3 +440,58 @@ def test_default_configs_fill_the_gpu():
         assert c13.block_m == c2.block_m == 16
         blocks = min(256, B * 8)
         assert blocks * math.ceil(512 / c13.block_n) * c13.split_k >= 128
+
+
+def test_route_align_pdl_launch_options(monkeypatch):
+    """route() and the one-launch alignment are PDL launches where PDL is available (router.ROUTE_PDL), unless
+    LINRNN_ROUTE_PDL=0 or pdl=False; pdl=True forces them."""
+    x = torch.zeros(2, 4)
+    assert router.chain_pdl_kwargs(x, None) == {"PDL": False}  # the CPU: no PDL
+    on = {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(router, "pdl_launch_kwargs", lambda t: on)
+    assert router.chain_pdl_kwargs(x, None) == (on if router.ROUTE_PDL else {"PDL": False})
+    assert router.chain_pdl_kwargs(x, False) == {"PDL": False} and router.chain_pdl_kwargs(x, True) == on
+    monkeypatch.setenv("LINRNN_ROUTE_PDL", "0")
+    assert router.chain_pdl_kwargs(x, None) == {"PDL": False} and router.chain_pdl_kwargs(x, True) == on
+
+
+_PDL_ORDER_PROBE = """
+import re, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from linrnn_kernels.moe import align, router, router_fused
+cases = {
+    "route": (router._route_kernel, dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=1, BLOCK_E=256, BLOCK_K=8, PDL=True)),
+    "align": (align._align_kernel, dict(BLOCK_M=8, BLOCK_E=256, BLOCK_P=64, PDL=True)),
+    "route_align": (router_fused._route_align_kernel, dict(
+        TOP_K=8, RENORMALIZE=True, BLOCK_E=256, BLOCK_TOPK=8, BLOCK_M_ALIGN=8, BLOCK_P=16, BLOCK_B=32, PAIR_BLOCKS=True,
+        ROUTE_M=1, REPLICAS=1, REG_ALIGN=False, LOGIT_KEYS=True, PDL=True)),
+}
+for name, (fn, cex) in cases.items():
+    sig, consts = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in cex:
+            sig[arg], consts[(i,)] = "constexpr", cex[arg]
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*bf16" if arg in ("logits_ptr", "weights_ptr", "lg_ptr", "tw_ptr") else "*i32"
+        else:
+            sig[arg] = "i32"
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=1 if name != "align" else 4)).asm["ptx"]
+    wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    load = min(i for i in (ptx.find("ld.global"), ptx.find("atom.global"), len(ptx)) if i >= 0)
+    print("PDL_ORDER", name, wait >= 0 and trig > wait and load > trig)
+"""
+
+
+def test_route_align_pdl_order_sm90():
+    """route(), the one-launch alignment and route_align_logits compiled for sm_90 with PDL (no GPU): the grid
+    dependency wait first, then launch_dependents, then the first global load (the kernel launched behind them waits
+    for them; they read only what their predecessor wrote after it finished)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _PDL_ORDER_PROBE], env=env, capture_output=True, text=True, check=True)
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("PDL_ORDER")]
+    assert rows and all(r[2] == "True" for r in rows) and len(rows) == 3, out.stdout

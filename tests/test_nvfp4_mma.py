@@ -274,7 +274,21 @@ def test_bench_mma_ipw_and_candidates(B):
     assert len(parts) == 2 and all(0 < float(p.split()[0]) <= ipw_budget(16, True) for p in parts), cell
     params = set(inspect.signature(experts.moe_experts_mma).parameters)
     for key, opts in bench.MMA_CANDIDATES.items():
-        assert "," not in key and set(opts) <= params, (key, opts)
+        assert "," not in key and set(opts) - {"env"} <= params, (key, opts)  # env: set around the capture
+
+
+@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
+@pytest.mark.parametrize("split,maxnreg", [(4, 80), (1, None)])
+def test_sm90_compile_gate_up_waits_first(split, maxnreg):
+    """gate_up launched with PDL behind the router (pdl_wait_first): the grid dependency wait comes before every
+    load and before launch_dependents (so the down kernel's pre-wait loads of the alignment see the router's
+    stores); one wait; the K loop is the plain kernel's (instructions, no spills, no shared memory)."""
+    st = nvfp4_mma.pdl_order_stats(gated=True, split=split, maxnreg=maxnreg, pdl_wait=False, pdl_trigger=True,
+                                   pdl_wait_first=True)
+    plain = nvfp4_mma.pdl_order_stats(gated=True, split=split, maxnreg=maxnreg, pdl_wait=False, pdl_trigger=False)
+    assert st["wait_before_trigger"] and st["loads_before_wait"] == 0 and st["waits"] == 1, st
+    assert st["loop_instructions"] == plain["loop_instructions"] and st["spill_ops"] == 0, (st, plain)
+    assert st["smem_ops_in_loop"] == 0 and st["regs"] <= (maxnreg or 64), st
 
 
 def test_split_k_fills_sms():
@@ -292,12 +306,15 @@ def test_split_k_fills_sms():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the alignment kernel runs on CPU tensors "
                     "(interpreter); on a CUDA machine the GPU tests cover the chain")
-@pytest.mark.parametrize("fused_reduce,combine", [(True, True), (False, True), (True, False)])
-def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine):
+@pytest.mark.parametrize("fused_reduce,combine,gate_up_pdl", [
+    (True, True, False), (False, True, False), (True, False, False), (True, True, True), (False, True, True),
+    (True, False, True)])
+def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine, gate_up_pdl):
     """The launch order PDL relies on (recorded on the CPU with the launches stubbed): gate_up is launched plainly
-    (it reads the router's output) and only lets the next kernel start early; the down kernel waits (its pre-wait
-    loads read what was written before gate_up began) and triggers the combine, which waits; nothing is launched
-    between gate_up (or its separate reduction) and the down kernel. pdl=False: no PDL anywhere."""
+    (it reads the router's output) or, with gate_up_pdl, with PDL waiting before anything else, and lets the next
+    kernel start early; the down kernel waits (its pre-wait loads read what was written before gate_up began) and
+    triggers the combine, which waits; nothing is launched between gate_up (or its separate reduction) and the down
+    kernel. pdl=False: no PDL anywhere."""
     E, H, I = 4, 128, 64
     w13, w2 = _weights(E, H, I, "cpu", seed=9)
     x = torch.randn(3, H).bfloat16()
@@ -307,12 +324,14 @@ def test_mma_pdl_chain_launch_flags(monkeypatch, fused_reduce, combine):
         log = []
         monkeypatch.setattr(nvfp4_mma, "num_sms", lambda device: 132)
         monkeypatch.setattr(nvfp4_mma, "launch", lambda x, w, out, **kw: log.append(
-            ("gate_up" if w.gated else "down", kw.get("pdl_wait", False), kw.get("pdl_trigger", False))))
+            ("gate_up" if w.gated else "down", kw.get("pdl_wait", False) or kw.get("pdl_wait_first", False) and "first",
+             kw.get("pdl_trigger", False))))
         monkeypatch.setattr(gg, "silu_mul_reduce", lambda ws, h: log.append(("silu_mul_reduce", False, False)))
         monkeypatch.setattr(gg, "sum_reduce", lambda part, out, group, pdl=False: log.append(("sum_reduce", pdl, False)))
         experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=(2, 1), fused_reduce=fused_reduce,
-                                combine=combine, pdl=pdl)
-        want = [("gate_up", False, pdl)] + ([] if fused_reduce else [("silu_mul_reduce", False, False)])
+                                combine=combine, pdl=pdl, pdl_gate_up=gate_up_pdl)
+        want = [("gate_up", pdl and gate_up_pdl and "first", pdl)]
+        want += [] if fused_reduce else [("silu_mul_reduce", False, False)]
         want += [("down", pdl, pdl)] + ([("sum_reduce", pdl, False)] if combine else [])
         assert log == want, (pdl, log)
 

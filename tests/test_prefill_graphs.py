@@ -23,7 +23,9 @@ from linrnn_serve.config import ModelConfig
 from linrnn_serve.models.loading import load_model
 from linrnn_serve.runner.model_runner import ModelRunner
 from linrnn_serve.runner.plan import DecodeRow, PrefillRow, SamplingRow, StepPlan
-from linrnn_serve.runner.prefill_graphs import PREFILL_GRAPH_MAX_TOKENS, PrefillGraphs, prefill_buckets
+from linrnn_serve.runner.prefill_graphs import (
+    MAX_TOKENS_ENV, PREFILL_GRAPH_MAX_TOKENS, PrefillGraphs, prefill_buckets,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -45,6 +47,25 @@ def test_prefill_buckets(monkeypatch):
     assert prefill_buckets(10 ** 6)[-1] == PREFILL_GRAPH_MAX_TOKENS
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         prefill_buckets(0)
+
+
+def test_full_budget_step_is_graphed(monkeypatch):
+    """The default 8192-token budget is captured whole: a c = 64 wave (64 prompts of 128 tokens, one step) replays
+    the 8192-token graph instead of running eagerly (it did with the buckets capped at 4096)."""
+    assert PREFILL_GRAPH_MAX_TOKENS == 8192
+    assert prefill_buckets(8192)[-5:] == [4096, 5120, 6144, 7168, 8192]
+    g = _graphs(max_num_seqs=64, max_tokens=8192, max_model_len=8192)
+    assert g.buckets[-1] == 8192 and g.rows(8192) == 65
+    assert g.bucket_for(64 * 128, 64, 64) == 8192
+    assert g.bucket_for(4097, 2, 2) == 5120 and g.bucket_for(8192, 1, 1) == 8192  # a full chunk of a long prompt
+    assert g.bucket_for(8193, 1, 1) is None
+    monkeypatch.setenv(MAX_TOKENS_ENV, "4096")  # the A/B control: the old cap
+    assert prefill_buckets(8192)[-1] == 4096
+    assert _graphs(max_num_seqs=64, max_tokens=8192, max_model_len=8192).bucket_for(64 * 128, 64, 64) is None
+    for bad in ("8", "many"):
+        monkeypatch.setenv(MAX_TOKENS_ENV, bad)
+        with pytest.raises(ValueError, match=MAX_TOKENS_ENV):
+            prefill_buckets(8192)
 
 
 class _Cfg:

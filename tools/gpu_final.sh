@@ -15,6 +15,11 @@
 #   bash tools/gpu_final.sh W   # ~5 min: #14's serving lines (gpu_wave_round.sh: bench batched npl 1 / 64 and one
 #                               # default server at c = 1, 64, 64); WT=1 adds #16's benefit pair (gpu_ttft.sh: on / off)
 #   bash tools/gpu_final.sh AK  # ~8 min: A without the grammar stage, then K
+#   bash tools/gpu_final.sh F   # ~7 min, one call for everything that must be re-measured on the final tree: A's
+#                               # headline batched (its f32 npl 64 row is the S_TG of #14's c = 64 line), then the
+#                               # default server at c = 1, 64, 64 and a --no-burst-head-start control at c = 64
+#                               # (gpu_wave_round.sh's report), then the MoE layer's L2-flush check and K while
+#                               # FINAL_BUDGET (default 520 s) lasts
 #   bash tools/gpu_final.sh H   # ~1 min: the CPU host-overhead benchmark (stubbed forward, no GPU) on this
 #                               # machine's 16 cores, where the core, the API server and 128 clients each get one
 # Results under $OUT (tarballs + short tables).
@@ -114,6 +119,18 @@ case "${1:-A}" in
        tail -40 $R/ttft/ttft_report.md
      fi
      tar czf $OUT/final_w.tgz -C /tmp final ;;
+  F) SKIP_SO=1 part_a; mkdir -p $R/wave; cp -r $R/batched $R/wave/batched
+     # the default server at c = 1, 64, 64, then each further '|' flag set (F_SERVE_FLAGS) at c = 64 once, as a control
+     OUT=$R/wave SERVE_FLAGS="${F_SERVE_FLAGS-|--no-burst-head-start}" CONC_REST=64 BATCHED_DONE=1 \
+       BUDGET=$(( ${FINAL_BUDGET:-520} - SECONDS > 230 ? 230 : ${FINAL_BUDGET:-520} - SECONDS )) \
+       bash tools/gpu_wave_round.sh; el "wave done"
+     # the MoE layer behind do_bench's zeroing L2 flush and behind a reading one (does the flush's write-back inflate it?)
+     if [ $(( ${FINAL_BUDGET:-520} - SECONDS )) -ge 110 ]; then
+       OUT=$R T_FLUSH=50 timeout 105 bash tools/gpu_moe_small.sh flush > $R/moe_flush.log 2>&1; el "flush done"
+       tail -25 $R/moe_flush.log
+     fi
+     [ $(( ${FINAL_BUDGET:-520} - SECONDS )) -ge 170 ] && part_k
+     rm -f $OUT/final_*.tgz; tar czf $OUT/final_f.tgz -C /tmp final ;;
   AK) SKIP_SO=1 part_a; part_k; rm -f $OUT/final_a.tgz $OUT/final_k.tgz; tar czf $OUT/final_ak.tgz -C /tmp final ;;
   K) part_k ;;
   AH) SKIP_SO=1 part_a; part_h; rm -f $OUT/final_a.tgz $OUT/final_h.tgz; tar czf $OUT/final_ah.tgz -C /tmp final ;;

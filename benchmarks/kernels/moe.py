@@ -9,6 +9,8 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
                   pairs routed in one launch as the engine's layer is (softmax, top-k, bf16 weights
                   and the experts' alignment: router_fused.route_align_logits; up to 8 tokens on the MMA
                   kernel as pair blocks, align.moe_pair_blocks)
+  nvfp4/mma-r5    nvfp4/mma with round 5's launch chain (the router and gate_up launched without PDL): the before
+                  of round 6 in the same run
   nvfp4/mma-route the same experts behind the separate route kernel, weight cast and alignment
   nvfp4/mma-parts nvfp4/mma without the top-k combine launch: the engine's decode layer hands the
                   uncombined partials to the shared expert's down projection, which sums them
@@ -70,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graph", action="store_true", help="time eager calls instead of graph replays")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
+    p.add_argument("--flush", choices=FLUSHES, default="zero",
+                   help="L2 flush before each timed call: zero a 256 MB buffer (do_bench, default) or read it")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test; runs on CPU too)")
     p.add_argument("--mma-sweep", action="store_true",
                    help="also time the nvfp4/mma layer over MMA_CANDIDATES (tile, split-K, reduction, cache-hint variants)")
@@ -151,11 +155,20 @@ def ours(logits, x, top_k, w13, w2, path=None):
     return experts.moe_experts(x, topw, ids, w13, w2, nvfp4_path=path)
 
 
-def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True):
+# round 5's MMA launch chain (experts.PDL_GATE_UP off; the routers without PDL: router.ROUTE_PDL)
+R5_CHAIN_ENV = {"LINRNN_MMA_PDL_GATE_UP": "0", "LINRNN_ROUTE_PDL": "0"}
+
+
+def ours_engine_routing_r5(logits, x, top_k, w13, w2):
+    """ours_engine_routing with round 5's launch chain (the before of round 6, in the same run)."""
+    return with_env(R5_CHAIN_ENV, lambda: ours_engine_routing(logits, x, top_k, w13, w2, router_pdl=False))
+
+
+def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True, router_pdl: bool | None = None):
     """Routing in one launch as the engine's decode layer does (there the fused router also runs the
     gate GEMM): softmax + top-k + alignment with bf16 weights in one launch whose alignment the experts reuse
     (up to router_fused.LOGITS_MAX_PAIRS pairs, or up to 8 tokens as pair blocks where the MMA kernel takes
-    them); then our default expert path."""
+    them); then our default expert path. router_pdl: route_align_logits' PDL (None: its default)."""
     from linrnn_kernels.moe import router_fused
 
     E = w13.data.shape[0]
@@ -165,7 +178,7 @@ def ours_engine_routing(logits, x, top_k, w13, w2, combine: bool = True):
         return experts.moe_experts(x, topw, ids, w13, w2, combine=combine)
     block_m = experts.alignment_block_m(x, top_k, w13, w2)
     topw, ids, (sid, eid, npad) = router_fused.route_align_logits(logits, E, top_k, True, block_m, x.dtype,
-                                                                  pair_blocks=pair_blocks)
+                                                                  pair_blocks=pair_blocks, pdl=router_pdl)
     return experts.moe_experts(x, topw, ids, w13, w2, combine=combine,
                                alignment=experts.Alignment(sid, eid, npad, block_m, pair_blocks))
 
@@ -231,6 +244,7 @@ def ours_dequant(logits, x, top_k, w13: WeightTensor, w2: WeightTensor):
 VARIANTS = {
     # name: (weight format, callable(logits, x, k, w13, w2))
     "nvfp4/mma": ("nvfp4", lambda l, x, k, a, b: ours_engine_routing(l, x, k, *with_packed(a, b))),
+    "nvfp4/mma-r5": ("nvfp4", lambda l, x, k, a, b: ours_engine_routing_r5(l, x, k, *with_packed(a, b))),
     "nvfp4/mma-route": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, *with_packed(a, b), "mma")),
     "nvfp4/mma-parts": ("nvfp4", lambda l, x, k, a, b: ours_engine_routing(l, x, k, *with_packed(a, b), combine=False)),
     "nvfp4/mma-any": ("nvfp4", ours_mma_any),
@@ -262,14 +276,23 @@ EAGER_ONLY = {"nvfp4/dequant"}
 
 # ------------------------------------------------------------------------------------- timing
 
-def bench(fns: list, warmup: int, rep: int, cuda: bool) -> float:
-    """Median microseconds of one call, rotating through `fns` (one per weight/input set)."""
+# L2 flush between timed calls: "zero" (triton.testing.do_bench: a 256 MB buffer zeroed, which leaves L2 full of
+# dirty lines that the timed kernels then write back to HBM while they stream their weights) or "read" (the buffer
+# summed: L2 left holding clean lines, as in a decode step whose previous kernels wrote little)
+FLUSHES = ("zero", "read")
+
+
+def bench(fns: list, warmup: int, rep: int, cuda: bool, flush: str = "zero") -> float:
+    """Median microseconds of one call, rotating through `fns` (one per weight/input set); L2 flushed before each
+    timed call (`flush`, FLUSHES)."""
     state = {"i": 0}
 
     def call():
         fns[state["i"] % len(fns)]()
         state["i"] += 1
 
+    if cuda and flush == "read":
+        return _bench_read_flush(call, warmup, rep)
     if cuda:
         import triton.testing
 
@@ -280,6 +303,35 @@ def bench(fns: list, warmup: int, rep: int, cuda: bool) -> float:
         call()
         times.append(time.perf_counter() - t0)
     return 1e6 * sorted(times)[len(times) // 2]
+
+
+def _bench_read_flush(call, warmup_ms: float, rep_ms: float) -> float:
+    """do_bench's protocol (warm-up, then timed calls each behind an L2 flush, the median) with a flush that reads a
+    256 MB buffer instead of zeroing it, timed per call with CUDA events."""
+    cache = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    call()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(5):
+        torch.sum(cache, dim=0, out=sink)
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    per = max(start.elapsed_time(end) / 5, 1e-3)  # ms per flush + call
+    for _ in range(max(1, int(warmup_ms / per))):
+        call()
+    n = max(5, int(rep_ms / per))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in events:
+        torch.sum(cache, dim=0, out=sink)
+        s.record()
+        call()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return 1e3 * times[len(times) // 2]
 
 
 def graphed(fn, cuda: bool):
@@ -451,6 +503,16 @@ MMA_CANDIDATES = {
     "PDL on": {"pdl": True},
     "PDL on 2 units budget 64": {"pdl": True, "units": 2, "maxnreg": 64},
     "2 units budget 72": {"units": 2, "maxnreg": 72},
+    # round 6 (small batches): the chain around the GEMMs (experts.PDL_GATE_UP, router.ROUTE_PDL)
+    "round 5 chain": {"pdl_gate_up": False, "env": {"LINRNN_ROUTE_PDL": "0"}},
+    "gate_up plain": {"pdl_gate_up": False},
+    "split to 1/SM": {"per_sm": 1},
+    # B = 1: ~4 CTAs per SM, so a larger register budget keeps every K step's loads of a split in flight at once
+    "2 units budget 128": {"units": 2, "maxnreg": 128},
+    "4 units budget 128": {"units": 4, "maxnreg": 128},
+    # "env": environment variables set while the candidate is captured (router.chain_pdl: route and align under PDL)
+    "route and align PDL": {"env": {"LINRNN_ROUTE_PDL": "1"}},
+    "route and align plain": {"env": {"LINRNN_ROUTE_PDL": "0"}},
     # 16-token blocks: fixed (every block on the 16-token tile, main before round 6 at B >= 256) or adaptive (blocks
     # with <= 8 tokens on the 8-token tile, experts.MMA_ADAPTIVE_16) at any batch
     "16-token fixed": {"tokens": 16, "adaptive": False},
@@ -467,6 +529,20 @@ MMA_CANDIDATES = {
     # the B = 8-128 tile (8-token blocks, 2 units per step: 56 registers, 9 CTAs per SM) at any batch
     "8-token blocks 2 units": {"tokens": 8, "units": 2, "maxnreg": 0},
 }
+
+
+def with_env(env: dict, fn):
+    """fn() with the environment variables `env` set (restored after)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor, num_sms: int | None = None) -> str:
@@ -506,13 +582,17 @@ def mma_sweep(sets, inputs, k, args, cuda) -> dict:
     for key, opts in MMA_CANDIDATES.items():
         if wanted and key not in wanted:
             continue
+        env = opts.get("env", {})
+        kw = {kk: vv for kk, vv in opts.items() if kk != "env"}
+
         def call(s, x, logits):
             topw, ids = router.route(logits, k, True, weight_dtype=x.dtype)
             a, b = with_packed(s[("nvfp4", "w13")], s[("nvfp4", "w2")])
-            return experts.moe_experts_mma(x, topw, ids, a.packed, b.packed, **opts)
+            return experts.moe_experts_mma(x, topw, ids, a.packed, b.packed, **kw)
         try:
-            calls = [graphed(lambda s=s, inp=inp: call(s, inp[0], inp[1]), cuda)[0] for s, inp in zip(sets, inputs)]
-            out[key] = bench(calls, args.warmup, args.rep, cuda)
+            calls = [with_env(env, lambda s=s, inp=inp: graphed(lambda: call(s, inp[0], inp[1]), cuda)[0])
+                     for s, inp in zip(sets, inputs)]
+            out[key] = bench(calls, args.warmup, args.rep, cuda, args.flush)
         except Exception as e:
             out[key] = f"failed: {type(e).__name__}: {str(e)[:100]}"
     return out
@@ -586,7 +666,8 @@ def run(args) -> int:
         row = {"B": B, "E": E, "k": k, "H": H, "I": I, "experts_hit": hit, "us": {}, "gbs": {}, "err": {},
                "expert_bytes": hit * expert_bytes(sets[0][("nvfp4", "w13")], sets[0][("nvfp4", "w2")])
                if ("nvfp4", "w13") in sets[0] else 0,
-               "timing": "eager" if args.no_graph else "CUDA-graph replay"}
+               "timing": ("eager" if args.no_graph else "CUDA-graph replay")
+               + (", L2 flushed by reading 256 MB (--flush read)" if args.flush == "read" else "")}
         refs = {}  # one reference per (set, format, activations), shared by the variants
         for v in variants:
             fmt, fn = VARIANTS[v]
@@ -612,7 +693,7 @@ def run(args) -> int:
                 if not args.no_graph and v not in EAGER_ONLY:
                     calls, modes = zip(*[graphed(c, cuda) for c in calls])
                     calls, modes = list(calls), set(modes)
-                us = bench(calls, args.warmup, args.rep, cuda)
+                us = bench(calls, args.warmup, args.rep, cuda, args.flush)
                 row["us"][v] = us
                 if (modes - {"graph"} or v in EAGER_ONLY) and not args.no_graph:
                     row.setdefault("notes", []).append(f"{v}: {sorted(modes) or ['eager']}")

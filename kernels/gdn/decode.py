@@ -35,6 +35,8 @@ the bf16 tile code (ALL_BF16: 920 instead of 1688 sm_90 instructions with triton
 records Nsight Compute's view of the bf16 programs and the tensor-core bf16 tile, measured no faster and removed).
 bf16_round6/: an L2 prefetch of a later program's tile (holds no registers) slows bf16 and hybrid launches; it
 speeds all-f32 launches at B >= 128 by 4-6 % and stays an opt-in DecodeConfig.prefetch (_prefetch_tile).
+bf16_round7/: the bf16 tile held packed (32-bit words, widened per use: 96 registers -> 5 programs per SM, or a
+[Dk, 128] tile at 3 per SM) measured no faster at B = 64 (more bf16 programs per SM are slower), removed.
 """
 from __future__ import annotations
 

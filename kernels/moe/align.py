@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from linrnn_kernels.gemv.skinny import gdc_launch_dependents, gdc_wait
+
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static upper bound on the padded pair count (a multiple of block_m)."""
@@ -43,7 +45,10 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, P, E, max_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the ids' writer first, then the next kernel may launch (it waits for this one)
+        gdc_wait()
+        gdc_launch_dependents()
     e = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     offs_p = tl.arange(0, BLOCK_P)
@@ -165,8 +170,11 @@ def _chunk_size(num_pairs: int, num_experts: int) -> int | None:
     return chunk if chunk <= _CHUNK_MAX else None
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """(sorted_ids, expert_ids, num_padded) for topk_ids [T, k]; see the module docstring."""
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool | None = None):
+    """(sorted_ids, expert_ids, num_padded) for topk_ids [T, k]; see the module docstring. pdl: the one-launch
+    kernel launched with programmatic dependent launch (default: router.chain_pdl())."""
+    from linrnn_kernels.moe.router import chain_pdl_kwargs
+
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
     if num_experts > 4096:
@@ -184,7 +192,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     if chunk is None:
         _align_kernel[(num_experts,)](
             ids, sorted_ids, expert_ids, num_padded, P, num_experts, max_blocks,
-            BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=min(1024, max(16, triton.next_power_of_2(P))), num_warps=4)
+            BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=min(1024, max(16, triton.next_power_of_2(P))), num_warps=4,
+            **chain_pdl_kwargs(topk_ids, pdl))
         return sorted_ids, expert_ids, num_padded
     nc = triton.cdiv(P, chunk)
     counts = torch.empty(nc, block_e, dtype=torch.int32, device=dev)

@@ -348,6 +348,17 @@ def mma_splits(num_pairs: int, p13, p2, num_sms: int, warps: int = 4, groups: tu
                  for p, g in ((p13, groups[0]), (p2, groups[1])))
 
 
+# Under PDL the gate_up kernel is launched with PDL too: it waits for the router (which lets it launch at its start)
+# before anything else and only then lets the down kernel launch, so its launch overlaps the router. H200, one
+# 35B-A3B layer, round 6 call 1 (the MMA candidates, with route() and the alignment under PDL off): 0.5-0.8 us faster
+# at B = 1 .. 256 (22.2 vs 22.8 at B = 1, 157.7 vs 158.5 at 128). LINRNN_MMA_PDL_GATE_UP=0: launched plainly (round 5)
+PDL_GATE_UP = True
+
+
+def pdl_gate_up_default(pdl: bool) -> bool:
+    return pdl and PDL_GATE_UP and os.environ.get("LINRNN_MMA_PDL_GATE_UP", "1") != "0"
+
+
 def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p13, p2,
                     out: torch.Tensor | None = None, splits: tuple[int, int] | None = None,
                     tokens: int | None = None, warps: int = 4, units: int | None = None, maxnreg: int | None = None,
@@ -355,7 +366,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     alignment: Alignment | None = None, combine: bool = True, fused_reduce: bool = True,
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
                     n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
-                    adaptive: bool = MMA_ADAPTIVE_16, units8: int | None = MMA_ADAPTIVE_UNITS8, mrep: int | None = None):
+                    adaptive: bool = MMA_ADAPTIVE_16, units8: int | None = MMA_ADAPTIVE_UNITS8, mrep: int | None = None,
+                    pdl_gate_up: bool | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -370,6 +382,9 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     8-token tile (MMA_ADAPTIVE_16; bitwise the same results) at units8 units per K step (MMA_ADAPTIVE_UNITS8).
     mrep: 16-row tiles per warp (each activation load feeds mrep row tiles; mma_tile where not given; bitwise the
     same results).
+    pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
+    first. (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
+    benchmarks/results/kernels/moe/round6_small/.)
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
     T, H = x.shape
@@ -385,6 +400,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     maxnreg = tile[1] if maxnreg is None else maxnreg
     mrep = (1 if persistent else tile[2]) if mrep is None else mrep
     pdl = nvfp4_mma.pdl_default(x.device) if pdl is None else pdl
+    pdl_gate_up = pdl and (pdl_gate_up_default(pdl) if pdl_gate_up is None else pdl_gate_up)
     sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
     if splits is None:
@@ -410,14 +426,16 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     route_w = topk_weights.reshape(-1).contiguous()
     part = gg.alloc(s2, P, H, dtype=torch.float32, device=x.device)
     ws = gg.alloc(s13, P, 2 * inter, dtype=torch.float32, device=x.device) if s13 > 1 else None
-    # gate_up is launched without PDL (it reads the router's output), so the down kernel may read the alignment
-    # before its grid dependency wait (nvfp4_mma.launch)
+    # gate_up is launched without PDL (it reads the router's output), or with PDL waiting before anything else and
+    # only then letting the down kernel launch: either way the down kernel may read the alignment before its grid
+    # dependency wait (nvfp4_mma.launch)
+    first = dict(pdl_trigger=pdl, pdl_wait_first=pdl_gate_up)
     if s13 == 1:
         nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], n_fastest=order[0],
-                         pdl_trigger=pdl, **common, **cap)
+                         **first, **common, **cap)
     else:
         nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], h=h if fused_reduce else None,
-                         n_fastest=order[0], pdl_trigger=pdl, **common, **cap)
+                         n_fastest=order[0], **first, **common, **cap)
         if not fused_reduce:
             gg.silu_mul_reduce(ws, h)
     nvfp4_mma.launch(h, p2, part, route_weights=route_w, split=s2, groups=groups[1], n_fastest=order[1],

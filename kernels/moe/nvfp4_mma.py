@@ -49,7 +49,9 @@ then wait for gate_up's grid (WAIT_PREV, before the first load of h), so the lau
 trip overlap gate_up's tail. The down kernel lets the combine (sum_reduce, or the engine's shared-expert down
 projection, both waiting before they read the partials) launch the same way. An earlier variant that waited
 before its first load (no weight prefetch, both kernels launched with PDL) measured slower in the engine
-(benchmarks/results/small_round4/).
+(benchmarks/results/small_round4/). pdl_wait_first (WAIT_FIRST): gate_up itself launched with PDL right behind the
+router, waiting for it before anything else and only then letting the down kernel launch (its launch overlaps the
+router; the down kernel's pre-wait loads still see the alignment; benchmarks/results/kernels/moe/round6_small/).
 
 Gluon kernels do not run under TRITON_INTERPRET; `available()` says whether this path can run.
 """
@@ -218,9 +220,12 @@ if HAVE_GLUON:
             DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
-            ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr, MREP: gl.constexpr):
-        if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output)
-            gdc_launch_dependents()
+            ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr, MREP: gl.constexpr,
+            WAIT_FIRST: gl.constexpr = False):
+        if WAIT_FIRST:  # PDL, launched right behind the kernel that wrote the alignment: nothing to load before it
+            gdc_wait()
+        if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output;
+            gdc_launch_dependents()  # with WAIT_FIRST only now, so its pre-wait loads see the alignment)
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
         if N_FASTEST:  # the row tiles of one expert block run next to each other
@@ -611,7 +616,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            split: int = 1, warps: int = 4, units: int | None = None, tokens: int = 8, groups: int = 1,
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
-           pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None, mrep: int = 1):
+           pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None, mrep: int = 1,
+           pdl_wait_first: bool = False):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -619,7 +625,9 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     register budget (None: its own choice; see REGISTER_BUDGET_WHY). Programmatic dependent launch (module
     docstring): pdl_trigger lets the next kernel launch at once; pdl_wait launches this one with PDL, its expert ids,
     token ids and first weights loaded before the grid dependency wait, so the previous kernel (the one whose
-    output x is) must have been launched without PDL, after those were written. adaptive (tokens = 16): blocks
+    output x is) must have been launched without PDL, after those were written (or with pdl_wait_first).
+    pdl_wait_first: launched with PDL, waiting for the previous kernel before anything else (then pdl_trigger):
+    the gate_up kernel right behind the router that wrote its alignment. adaptive (tokens = 16): blocks
     with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units).
     mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide)."""
     E, T, U, _ = w.codes.shape
@@ -656,7 +664,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
         ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8, MREP=mrep,
-        num_warps=warps, maxnreg=maxnreg, **({"launch_pdl": True} if pdl_wait else {}))
+        WAIT_FIRST=pdl_wait_first, num_warps=warps, maxnreg=maxnreg,
+        **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
 
 
 # the persistent kernel holds both GEMMs' state (74 registers uncapped, 6 CTAs per SM); capped at 64 it
@@ -718,7 +727,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
                     maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
                     adaptive: bool = False, units8: int | None = None, prefetch8: bool | None = None,
-                    mrep: int = 1):
+                    mrep: int = 1, pdl_wait_first: bool = False):
     """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch); returns the
     CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -732,7 +741,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
                   WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16, UNITS8=units8 or units,
-                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep)
+                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -878,19 +887,22 @@ def sass_loop_stats(k, mma_op: str, weights_per_iter: int, loop_16: bool | None 
 
 
 def pdl_order_stats(gated: bool = False, split: int = 2, units: int = DEFAULT_UNITS, prefetch: bool = DEFAULT_PREFETCH,
-                    maxnreg: int | None = 80, pdl_wait: bool = True, pdl_trigger: bool = True) -> dict:
+                    maxnreg: int | None = 80, pdl_wait: bool = True, pdl_trigger: bool = True,
+                    pdl_wait_first: bool = False) -> dict:
     """Where the grid dependency instructions sit in the kernel compiled for sm_90 (no GPU; evict-first weight loads,
     so LDG.E.EF are weights and plain 16-byte LDG activations): `trigger_first` (launch_dependents, PREEXIT, before
-    any load), the weight / activation loads issued before the first grid dependency wait (ACQBULK), whether every
-    EXIT directly follows a wait, and the K loop's statistics (k_loop_stats)."""
+    any load), `wait_before_trigger` (a grid dependency wait, ACQBULK, before it), the weight / activation / all
+    loads issued before the first wait, whether every EXIT directly follows a wait, and the K loop's statistics
+    (k_loop_stats). pdl_wait_first: as in compile_offline."""
     import re
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "pdl_order_stats", gated=gated, split=split, units=units, prefetch=prefetch,
-                                maxnreg=maxnreg, pdl_wait=pdl_wait, pdl_trigger=pdl_trigger)
+                                maxnreg=maxnreg, pdl_wait=pdl_wait, pdl_trigger=pdl_trigger,
+                                pdl_wait_first=pdl_wait_first)
     k = compile_offline(gated=gated, split=split, units=units, route_weighted=not gated, prefetch=prefetch,
                         fused_reduce=gated and split > 1, weight_hint="evict_first", maxnreg=maxnreg,
-                        pdl_wait=pdl_wait, pdl_trigger=pdl_trigger)
+                        pdl_wait=pdl_wait, pdl_trigger=pdl_trigger, pdl_wait_first=pdl_wait_first)
     body = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", _sass(k.asm["cubin"]))]
     ops = [re.sub(r"^@!?U?P\w+\s+", "", t) for t in body]
     first_wait = next((i for i, t in enumerate(ops) if t.startswith("ACQBULK")), len(ops))
@@ -900,6 +912,8 @@ def pdl_order_stats(gated: bool = False, split: int = 2, units: int = DEFAULT_UN
     weights_per_iter = 16 * 64 * units // 32 * (2 if prefetch else 1)
     st = sass_loop_stats(k, "HMMA", weights_per_iter)
     return {"trigger_first": trigger is not None and trigger < first_load,
+            "wait_before_trigger": trigger is not None and first_wait < trigger,
+            "loads_before_wait": sum(t.startswith("LDG") for t in before),
             "waits": sum(t.startswith("ACQBULK") for t in ops),
             "weight_loads_before_wait": sum(t.startswith("LDG.E.EF") for t in before),
             "activation_loads_before_wait": sum(bool(re.match(r"LDG\.E\.128\b", t)) for t in before),

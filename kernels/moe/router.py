@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from linrnn_kernels.gemv.config import pdl_launch_kwargs
+from linrnn_kernels.gemv.skinny import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def softmax_topk(logits, row_ok, col, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -83,7 +86,10 @@ def logit_topk(logits, row_ok, col, KEY_DTYPE: tl.constexpr, TOP_K: tl.constexpr
 @triton.jit
 def _route_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, T, E,
                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the logits' writer first, then the next kernel may launch (it waits for this one)
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     col = tl.arange(0, BLOCK_E)
     tok_ok = tok < T
@@ -97,9 +103,10 @@ def _route_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, T, E,
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_t: int = 1, num_warps: int = 1,
-          weight_dtype: torch.dtype = torch.float32):
+          weight_dtype: torch.dtype = torch.float32, pdl: bool | None = None):
     """Triton twin of naive.route: (topk_weights [T, k] in weight_dtype (rounded once from f32; the MoE
-    layer wants the activation dtype, so no separate cast launch), topk_ids [T, k] int32)."""
+    layer wants the activation dtype, so no separate cast launch), topk_ids [T, k] int32). pdl: launched with
+    programmatic dependent launch (default: chain_pdl())."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
     T, E = router_logits.shape
@@ -116,5 +123,25 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_t: i
     _route_kernel[(triton.cdiv(T, block_t),)](
         logits, logits.stride(0), weights, ids, T, E,
         TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps)
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps, **chain_pdl_kwargs(logits, pdl))
     return weights, ids
+
+
+# route() and the one-launch alignment are launched with PDL (each waits for its input's writer, then lets the next
+# kernel launch; the MoE gate_up waits for them). H200, one 35B-A3B layer, route -> align -> experts (round 6 call 1,
+# benchmarks/results/kernels/moe/round6_small/): 21.2 vs 22.2 us at B = 1, 53.5 vs 54.4 at 8, 141.2 vs 142.5 at 64,
+# 156.5 vs 157.7 at 128, 188.0 vs 188.6 at 256
+ROUTE_PDL = True
+
+
+def chain_pdl() -> bool:
+    """Whether route() and the one-launch alignment (align.moe_align_block_size) are launched with PDL by default:
+    ROUTE_PDL, unless LINRNN_ROUTE_PDL=0 (where PDL is available: pdl_launch_kwargs)."""
+    import os
+
+    return ROUTE_PDL and os.environ.get("LINRNN_ROUTE_PDL", "1") != "0"
+
+
+def chain_pdl_kwargs(x: torch.Tensor, pdl: bool | None) -> dict:
+    """Launch options of route / align: pdl_launch_kwargs where pdl (None: chain_pdl()) is on, else PDL off."""
+    return pdl_launch_kwargs(x) if (chain_pdl() if pdl is None else pdl) else {"PDL": False}

@@ -44,6 +44,7 @@ from linrnn_kernels.gemv.skinny import (
     _skinny_program,
     _split_reduce,
     gdc_launch_dependents,
+    gdc_wait,
     pipeline_stages,
     tickets,
 )
@@ -360,7 +361,10 @@ def _route_align_kernel(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, ex
                         BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M_ALIGN: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
                         ROUTE_M: tl.constexpr, REPLICAS: tl.constexpr, REG_ALIGN: tl.constexpr,
-                        LOGIT_KEYS: tl.constexpr):
+                        LOGIT_KEYS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched with PDL: the logits' writer first; the expert kernels may then launch (they wait for this)
+        gdc_wait()
+        gdc_launch_dependents()
     _route_align_tail(lg_ptr, slg, tw_ptr, ids_ptr, starts_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, M, E,
                       max_blocks, TOP_K, RENORMALIZE, ROUTE_M, REPLICAS, BLOCK_E, BLOCK_TOPK, BLOCK_M_ALIGN, BLOCK_P,
                       BLOCK_B, PAIR_BLOCKS, REG_ALIGN, LOGIT_KEYS)
@@ -375,12 +379,14 @@ LOGITS_MAX_PAIRS = 8
 
 def route_align_logits(logits: torch.Tensor, num_experts: int, top_k: int, renormalize: bool, block_m: int,
                        weight_dtype: torch.dtype, pair_blocks: bool = False, tail: RouterTail | None = None,
-                       num_warps: int | None = None):
+                       num_warps: int | None = None, pdl: bool | None = None):
     """Routing and alignment from router logits [M, >= E] in one launch (single-warp up to M * top_k <=
     LOGITS_MAX_PAIRS, or pair_blocks): (topk_weights [M, k] in weight_dtype, topk_ids [M, k] int32, (sorted_ids,
     expert_ids, num_padded) as align.moe_align_block_size(topk_ids, E, block_m), or with pair_blocks (M <=
     block_m) as align.moe_pair_blocks(topk_ids, block_m)). The MoE benchmark's decode layer starts from logits;
-    it routes through this as the engine's layer routes through the fused router."""
+    it routes through this as the engine's layer routes through the fused router. pdl (default: where available,
+    gemv.config.pdl_launch_kwargs): launched with programmatic dependent launch, letting the next kernel (the MoE
+    gate_up, which waits for this one) launch once the logits are there."""
     M = logits.shape[0]
     E = num_experts
     P = M * top_k
@@ -402,12 +408,13 @@ def route_align_logits(logits: torch.Tensor, num_experts: int, top_k: int, renor
     starts = torch.empty(E, dtype=torch.int32, device=dev)
     if M:
         warps = num_warps or (1 if P <= LOGITS_MAX_PAIRS else 4)
+        launch = pdl_launch_kwargs(logits) if pdl is not False else {"PDL": False}
         _route_align_kernel[(1,)](
             logits, logits.stride(0), topk_w, topk_ids, starts, sorted_ids, expert_ids, num_padded,
             M, E, max_blocks, TOP_K=top_k, RENORMALIZE=bool(renormalize),
             BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_M_ALIGN=block_m,
             BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_B=32, PAIR_BLOCKS=pair_blocks,
-            **(tail or RouterTail.for_rows(M)).constexprs(M, warps), num_warps=warps)
+            **(tail or RouterTail.for_rows(M)).constexprs(M, warps), num_warps=warps, **launch)
     else:
         num_padded.zero_()
         expert_ids.fill_(-1)

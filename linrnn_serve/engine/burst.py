@@ -16,7 +16,19 @@ BurstHold holds the admission of waiting requests (their prefill; running sequen
   - >= BURST_MIN running sequences reach their length limit within IMMINENT_STEPS steps: a burst is about to
     end, and waiting for it (and then for its successors) puts a split wave back together;
 and never longer than MAX_HOLD_S after the oldest waiting request arrived. A lone request with no burst
-behind it (concurrency 1, a sparse open-loop arrival) is never held. The engine-core process turns it on
+behind it (concurrency 1, a sparse open-loop arrival) is never held.
+
+Head start (`head_start`, --burst-head-start): while a burst is held with nothing else running, the device idles
+until its last request arrives (at c = 64 on the H200 a wave's arrivals spread over ~10-30 ms). Once the oldest has
+waited HEAD_START_AFTER_S, the prompts already there (at least HEAD_START_MIN_TOKENS, whole prompts up to the
+largest prefill bucket they fill, so the step is not padded) start prefilling; the rest prefill in one step when
+the hold ends. The engine keeps the early ones from decoding until then (LLMEngine: parked), so the burst still
+decodes, and ends, as one: a burst that ran ahead would split the next wave again. One head start per hold: a
+prefill forward costs ~10 ms beyond its tokens on the H200 (all expert weights read, per-layer launches; the round-3
+probe's 64 x 128 and 16 x 129 forwards fit 13.7 us per token + ~10 ms), so more, smaller steps cost more than they
+hide; and only while bursts come back spread out (the last whole burst's first -> last arrival at the core >=
+HEAD_START_MIN_SPREAD_S, or none measured yet): a burst that arrives within ~12 ms (the 2 ms delay + that fixed
+cost) gains less than the extra forward costs. The core logs the bursts' mean spread at exit. The engine-core process turns it on
 (--coalesce-bursts, default on there); the offline engine adds its requests at once and has nothing to wait for.
 """
 from __future__ import annotations
@@ -28,6 +40,9 @@ OWED_S = 0.05  # a burst's clients that have not come back within this long are 
 GAP_S = 0.001  # arrivals this close together are one burst
 IMMINENT_STEPS = 3  # a running burst this many steps from its length limit is waited for
 MAX_HOLD_S = 0.05  # the longest a waiting request is held
+HEAD_START_AFTER_S = 0.002  # a burst that has not all arrived this long after its first request gets a head start
+HEAD_START_MIN_TOKENS = 1024  # ... of at least this many prompt tokens (a smaller forward hides less than it costs)
+HEAD_START_MIN_SPREAD_S = 0.014  # ... while the last burst took at least this long to come back (first -> last)
 
 
 class BurstHold:
@@ -38,18 +53,29 @@ class BurstHold:
         self._last_arrival = -1.0
         self._repaid = -1.0  # when an arrival last replaced the last owed request
         self.holds = 0  # scheduling decisions that held admission back (stats)
+        self.head_starts = 0  # early prefills of a held burst's first arrivals (stats)
+        self._burst_first: float | None = None  # the first arrival that repaid the current burst
+        self.last_spread: float | None = None  # first -> last arrival of the last burst that came back whole
+        self.spreads = [0, 0.0]  # bursts that came back whole, their spreads' sum (stats)
 
     def finished(self, n: int, now: float) -> None:
         """n requests finished (not aborted) in the step postprocessed at `now`."""
         if n >= BURST_MIN:
+            if not self._owed:
+                self._burst_first = None
             self._owed.extend([now] * n)
 
     def arrived(self, now: float) -> None:
         self._expire(now)
         if self._owed:
+            if self._burst_first is None:
+                self._burst_first = now
             self._owed.popleft()
             if not self._owed:
                 self._repaid = now
+                self.last_spread = now - self._burst_first
+                self.spreads[0] += 1
+                self.spreads[1] += self.last_spread
         self._last_arrival = now
 
     def _expire(self, now: float) -> None:
@@ -77,3 +103,26 @@ class BurstHold:
             return None
         self.holds += 1
         return min(hold, limit)
+
+    def head_start(self, now: float, oldest_waiting: float, prompt_lens: list[int], buckets: list[int]) -> int | None:
+        """While admission is held and nothing else runs: the prompt tokens to admit now (whole prompts, in queue
+        order, up to the largest of `buckets` <= their sum), or None (keep waiting). `prompt_lens`: the waiting
+        prompts' token counts in queue order; `buckets`: the prefill token buckets."""
+        if now - oldest_waiting < HEAD_START_AFTER_S or (self.last_spread or 1.0) < HEAD_START_MIN_SPREAD_S:
+            return None
+        cap = max((b for b in buckets if b <= sum(prompt_lens)), default=0)
+        if cap < HEAD_START_MIN_TOKENS:
+            return None
+        n = 0
+        for k in prompt_lens:
+            if n + k > cap:
+                break
+            n += k
+        if n < HEAD_START_MIN_TOKENS:
+            return None
+        return n
+
+    def owed(self, now: float) -> bool:
+        """Whether clients of a burst that finished are still on their way back."""
+        self._expire(now)
+        return bool(self._owed)

@@ -66,7 +66,8 @@ class EngineCore:
                            "core_bind_window_arrivals_total": 0,
                            # burst coalescing: time the core waited, with nothing else to run, for the rest of a
                            # burst of arrivals (engine/burst.py), and the scheduling decisions that held admission
-                           "core_burst_idle_seconds_total": 0.0, "core_burst_holds_total": 0}
+                           "core_burst_idle_seconds_total": 0.0, "core_burst_holds_total": 0,
+                           "core_burst_head_starts_total": 0}
         self.step_hist = Histogram(STEP_BUCKETS)
         self.full_step_hist = Histogram(STEP_BUCKETS)
 
@@ -75,6 +76,7 @@ class EngineCore:
         burst = self.engine.burst
         if burst is not None:
             self.loop_stats["core_burst_holds_total"] = burst.holds
+            self.loop_stats["core_burst_head_starts_total"] = burst.head_starts
         return {**self.loop_stats, "core_decode_step_seconds": self.step_hist.snapshot(),
                 "core_full_decode_step_seconds": self.full_step_hist.snapshot()}
 
@@ -197,6 +199,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
         from linrnn_serve.engine.burst import BurstHold
 
         engine.burst = BurstHold()
+        engine.burst_head_start = config.burst_head_start is not False
     if engine.device.type == "cpu":  # leave a core to the API server: spinning OpenMP threads starve it
         import torch
 
@@ -300,8 +303,11 @@ def run_engine_core(config, input_addr: str, output_addr: str, log_level: int = 
                      st["core_bind_windows_total"], 1e3 * st["core_bind_window_seconds_total"] /
                      max(st["core_bind_windows_total"], 1), st["core_bind_window_arrivals_total"], engine.clock.measured)
         if engine.burst is not None:
-            log.info("burst coalescing: %d holds, %.1f ms waited with nothing else to run", engine.burst.holds,
-                     1e3 * st["core_burst_idle_seconds_total"])
+            b = engine.burst
+            log.info("burst coalescing: %d holds, %.1f ms waited with nothing else to run, %d head starts; %d bursts "
+                     "came back whole, first -> last arrival %.1f ms on average", b.holds,
+                     1e3 * st["core_burst_idle_seconds_total"], b.head_starts, b.spreads[0],
+                     1e3 * b.spreads[1] / max(b.spreads[0], 1))
         try:
             engine.shutdown()  # stops tensor-parallel worker processes
         except Exception:  # noqa: BLE001 -- best effort: the core is exiting anyway

@@ -39,7 +39,7 @@ from linrnn_serve.config import EngineConfig, ModelConfig, default_max_num_batch
 from linrnn_serve.engine_args import EngineArgs
 from linrnn_serve.engine.executor import Executor
 from linrnn_serve.engine.metrics import EngineMetrics
-from linrnn_serve.engine.burst import IMMINENT_STEPS, BurstHold
+from linrnn_serve.engine.burst import IMMINENT_STEPS, MAX_HOLD_S, BurstHold
 from linrnn_serve.engine.step_clock import StepClock
 from linrnn_serve.engine.errors import EngineFullError, RequestError
 from linrnn_serve.engine.outputs import CompletionOutput, RequestOutput
@@ -50,6 +50,8 @@ from linrnn_serve.engine.validation import RequestLimits, validate_request
 from linrnn_serve.generation_config import default_sampling_params
 from linrnn_serve.models.loading import check_weights_fit, resolve_device, resolve_dtype
 from linrnn_serve.sampling_params import SamplingParams
+from linrnn_serve.runner.plan import StepPlan
+from linrnn_serve.runner.prefill_graphs import prefill_buckets
 from linrnn_serve.scheduler import Request, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -143,6 +145,11 @@ class LLMEngine:
         self.clock = StepClock()  # launched steps' device time: late binding (bind_deadline)
         # burst coalescing (engine/burst.py): set by the engine-core process; None: admit whatever waits
         self.burst: BurstHold | None = None
+        self.burst_head_start = False  # (with burst) a held burst's first arrivals start prefilling early
+        self._parked: frozenset[str] = frozenset()  # requests of a head start: no decode until the burst is in
+        self._parked_limit = 0.0  # the longest they wait for the rest (their oldest arrival + MAX_HOLD_S)
+        self._first_waiting_at = 0.0  # when the oldest waiting request reached this engine (head start)
+        self._prefill_buckets = prefill_buckets(config.max_num_batched_tokens)
 
         eos = list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos += [e for e in cfg.eos_token_id if e not in eos]
@@ -280,9 +287,13 @@ class LLMEngine:
             raise EngineFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, seed, prompt=text, arrival_time=arrival_time)
+        first = not self.scheduler.waiting
         self.scheduler.add_request(req)
         if self.burst is not None:
-            self.burst.arrived(time.monotonic())
+            now = time.monotonic()
+            if first:
+                self._first_waiting_at = now  # (the core's clock: arrival_time is the client's)
+            self.burst.arrived(now)
         if self.structured.needs(params):
             self.structured.add([s.seq_id for s in req.seqs], params)
         if self._needs_host_tokens(params):
@@ -332,8 +343,7 @@ class LLMEngine:
         if sync and self._inflight is not None:  # the next schedule needs the in-flight tokens on the host
             return self._complete(self._take_inflight())
         t_schedule = time.monotonic()
-        held = self.burst is not None and self._hold(t_schedule) is not None
-        plan = self.last_plan = self.scheduler.schedule(admit=False) if held else self.scheduler.schedule()
+        plan = self.last_plan = self.scheduler.schedule() if self.burst is None else self._schedule_burst(t_schedule)
         done = self._take_inflight()
         if plan.empty and plan.snapshot_saves_before:  # finished sequences' prefix-cache snapshots: taken
             self.executor.execute_async(plan)          # before the slots are reused (stream-ordered)
@@ -390,14 +400,44 @@ class LLMEngine:
         if not s.waiting:
             return None
         return self.burst.until(now, s.oldest_waiting_arrival, len(s.waiting),
-                                lambda: s.num_finishing_within(IMMINENT_STEPS))
+                                lambda: 0 if self._parked else s.num_finishing_within(IMMINENT_STEPS))
+
+    def _burst_hold(self, now: float) -> tuple[float | None, int | None]:
+        """(until when admission is held or None, the prompt tokens of a head start to admit now or None)."""
+        s = self.scheduler
+        hold = self._hold(now)
+        if hold is None and self._parked and not s.waiting and now < self._parked_limit and self.burst.owed(now):
+            hold = self._parked_limit  # the head start took every arrival so far: the burst's rest is on its way
+        if hold is None or self._parked or s.running or not self.burst_head_start:
+            return hold, None
+        return hold, self.burst.head_start(now, self._first_waiting_at, [len(q.token_ids) for q in s.waiting],
+                                           self._prefill_buckets)
+
+    def _schedule_burst(self, now: float) -> StepPlan:
+        """The next plan under burst coalescing: admission held, a head start (its requests parked), or the
+        burst's release (the head start stays parked one step more, while the rest prefills)."""
+        s, parked = self.scheduler, self._parked
+        hold, head = self._burst_hold(now)
+        if hold is None:
+            if not parked:
+                return s.schedule()
+            self._parked = frozenset()
+            return s.schedule(parked=parked if s.waiting else frozenset())
+        if head is None:
+            return s.schedule(admit=False, parked=parked)
+        self.burst.head_starts += 1
+        plan = s.schedule(admit_tokens=head)
+        self._parked = frozenset(q.group.request_id for q in s.running)
+        self._parked_limit = min(q.group.arrival_time for q in s.running) + MAX_HOLD_S
+        return plan
 
     def idle_hold_until(self) -> float | None:
-        """With nothing to run but waiting requests that burst coalescing holds back: until when (a
-        time.monotonic(); the engine-core process waits for arrivals meanwhile); None otherwise."""
-        if self.burst is None or self._inflight is not None or self.scheduler.running:
+        """With nothing to run but waiting requests that burst coalescing holds back (and a parked head start):
+        until when (a time.monotonic(); the engine-core process waits for arrivals meanwhile); None otherwise."""
+        if self.burst is None or self._inflight is not None or (self.scheduler.running and not self._parked):
             return None
-        return self._hold(time.monotonic())
+        hold, head = self._burst_hold(time.monotonic())
+        return None if head is not None else hold
 
     def inflight_done(self) -> bool:
         """Whether the step in flight has finished (its sampled ids are on the host); True if none."""

@@ -7,7 +7,7 @@ Per step (runner/plan.py):
      inputs written into static buffers;
   3. prefill: the chunks in one varlen forward; logits only for the rows that sample and for
      prompt-logprob positions (batch.logits_indices). Up to prefill_graphs.PREFILL_GRAPH_MAX_TOKENS
-     tokens it runs padded to a token bucket, replayed from a CUDA graph (prefill_graphs.py); longer
+     tokens (8192, the default budget) it runs padded to a token bucket, replayed from a CUDA graph (prefill_graphs.py); longer
      ones (and prompt-logprob steps) run eagerly. With `mixed_batch` a step that has prefill rows skips
      step 2: its decode rows ride in this forward as one-token chunks in front of the prompts (their
      tables from the per-slot mirror, ids the host has not seen gathered from `slot_ids` on the device)

@@ -1,9 +1,9 @@
-"""Short prefill steps in CUDA graphs, bucketed by token count (issue #14 build item 4).
+"""Prefill steps in CUDA graphs, bucketed by token count (issue #14 build item 4).
 
 An eager prefill forward of the 35B-A3B model launches ~1700 kernels: ~65 ms of host time for 11 ms
 of GPU work at 128 tokens (H200), flat up to ~1k tokens; replayed from a graph, `bench batched` T_PP of
 one 128-token prompt is 14 ms instead of 104 ms (benchmarks/results/prefill_graphs/). Prefill forwards of up to
-PREFILL_GRAPH_MAX_TOKENS tokens therefore run in the smallest bucket of T_b >= T tokens (16, 32, 64, 128,
+PREFILL_GRAPH_MAX_TOKENS tokens (the default 8192-token budget: every step of it) therefore run in the smallest bucket of T_b >= T tokens (16, 32, 64, 128,
 then four per octave: 160, 192, 224, 256, 320, ...) with a fixed number of sequence rows
 S_b = min(max_num_seqs, T_b) + 1:
 
@@ -44,12 +44,14 @@ from linrnn_serve.runner.cuda_graphs import GraphSet
 
 log = logging.getLogger(__name__)
 
-# Largest captured prefill (tokens). An eager 35B-A3B prefill forward costs ~65 ms + 5 us per token of host time
-# and ~6.5 ms + 17 us per token on the H200 GPU (2048 tokens: 71 ms eager wall for 41 ms of kernels; 8192: 150
-# ms, GPU-bound; benchmarks/results/serving/prefill_round/): eager steps stay host-bound up to ~4,700 tokens, so
-# graphs go to 4096 (with the 8192-token default budget; the buckets stop at the budget, so a 2048-token engine
-# captures what it did). A bigger bucket would hold more graph memory for little gain.
-PREFILL_GRAPH_MAX_TOKENS = 4096
+# Largest captured prefill (tokens): the default token budget (config.LARGE_GPU_TOKEN_BUDGET), so a full-budget
+# step (a c = 64 wave of 64 x 128-token prompts, a chunk of a long prompt) replays a graph too. Eagerly such a step
+# is GPU-bound but still leaves gaps between its launches: 140.7 ms eager wall vs 129.5 ms replayed at 64 x 128 on
+# the H200 (benchmarks/results/prefill/round3/). The graphs share one pool, which keeps the largest bucket's
+# scratch: the cache budget accounts it (cache/budget.py, prefill_graph_tokens). Above the old 4096-token cap the
+# buckets are 5120, 6144, 7168, 8192. LINRNN_PREFILL_GRAPH_MAX_TOKENS overrides the cap (A/B runs).
+PREFILL_GRAPH_MAX_TOKENS = 8192
+MAX_TOKENS_ENV = "LINRNN_PREFILL_GRAPH_MAX_TOKENS"
 MIN_BUCKET = 16
 # Above 128 tokens a padded token costs about what a real one does (every layer computes it; in the MoE the
 # padding tokens, all alike, pile onto the same few experts), so buckets are four per octave: at most 25 %
@@ -59,15 +61,29 @@ FINE_FROM = 128
 PER_OCTAVE = 4
 
 
-def prefill_buckets(max_num_batched_tokens: int, max_tokens: int = PREFILL_GRAPH_MAX_TOKENS,
+def prefill_graph_max_tokens() -> int:
+    """The largest captured prefill: PREFILL_GRAPH_MAX_TOKENS unless LINRNN_PREFILL_GRAPH_MAX_TOKENS says otherwise."""
+    flag = os.environ.get(MAX_TOKENS_ENV)
+    if flag is None:
+        return PREFILL_GRAPH_MAX_TOKENS
+    try:
+        n = int(flag)
+    except ValueError:
+        n = 0
+    if n < MIN_BUCKET:
+        raise ValueError(f"{MAX_TOKENS_ENV} must be an integer >= {MIN_BUCKET}, got {flag!r}")
+    return n
+
+
+def prefill_buckets(max_num_batched_tokens: int, max_tokens: int | None = None,
                     per_octave: int | None = None) -> list[int]:
     """Token buckets 16, 32, 64, 128, then `per_octave` per doubling (128 + 32, 128 + 64, ...), up to the first
-    bucket >= min(max_num_batched_tokens, max_tokens)."""
+    bucket >= min(max_num_batched_tokens, max_tokens) (default: prefill_graph_max_tokens())."""
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
     if per_octave is None:
         per_octave = 1 if os.environ.get("LINRNN_PREFILL_BUCKETS") == "pow2" else PER_OCTAVE
-    cap = min(max_num_batched_tokens, max_tokens)
+    cap = min(max_num_batched_tokens, prefill_graph_max_tokens() if max_tokens is None else max_tokens)
     out, b = [MIN_BUCKET], MIN_BUCKET
     while b < cap:
         b += b if b < FINE_FROM else (1 << (b.bit_length() - 1)) // per_octave
@@ -79,7 +95,7 @@ class PrefillGraphs:
     """Static prefill inputs, bucket choice, capture and replay (or the same forward eagerly)."""
 
     def __init__(self, model, caches, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int, device: torch.device, max_tokens: int = PREFILL_GRAPH_MAX_TOKENS):
+                 block_size: int, device: torch.device, max_tokens: int | None = None):
         self.model, self.caches = model, caches
         self.device, self.block_size, self.max_model_len = device, block_size, max_model_len
         self.buckets = prefill_buckets(max_num_batched_tokens, max_tokens)

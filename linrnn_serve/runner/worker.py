@@ -28,7 +28,7 @@ from linrnn_serve.classifier import build_head_map
 from linrnn_serve.config import EngineConfig, ModelConfig
 from linrnn_serve.models.loading import load_model
 from linrnn_serve.runner.model_runner import ModelRunner, mixed_batch_default, prefill_padding_default
-from linrnn_serve.runner.prefill_graphs import PREFILL_GRAPH_MAX_TOKENS
+from linrnn_serve.runner.prefill_graphs import prefill_graph_max_tokens
 from linrnn_serve.runner.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Worker:
             enforce_eager=c.enforce_eager,
             prefix_snapshot_fraction=c.prefix_snapshot_fraction if c.enable_prefix_caching else 0.0,
             num_prefix_snapshots=c.num_prefix_snapshots if c.enable_prefix_caching else None, mem_info=mem_info,
-            prefill_graph_tokens=(min(c.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)
+            prefill_graph_tokens=(min(c.max_num_batched_tokens, prefill_graph_max_tokens())
                                   if prefill_padding_default(self.model, self.device) else 0))
 
     def init_caches(self, budget: CacheBudget) -> None:

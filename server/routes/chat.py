@@ -252,6 +252,7 @@ async def _stream(gen: Generation, req: ChatCompletionRequest, model: str, creat
     def usage() -> UsageInfo:
         return usage_info([last]) if last is not None else UsageInfo()
 
+    tail: list[bytes] = []  # the last choice's final frame, held to go out with usage and [DONE] in one write
     try:
         for i in range(req.num_samples):  # the role first, as OpenAI does
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
@@ -283,15 +284,19 @@ async def _stream(gen: Generation, req: ChatCompletionRequest, model: str, creat
                 choice = ChatChunkChoice(index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs,
                                          finish_reason=finish if c.finished else None,
                                          stop_reason=c.stop_reason)
-                yield chunk([choice], usage() if req.continuous_usage else None)
+                frame = chunk([choice], usage() if req.continuous_usage else None)
+                if len(finished) < req.num_samples:
+                    yield frame
+                else:  # nothing follows but the end of gen.outputs(), without waiting
+                    tail.append(frame)
         if req.include_usage:
-            yield chunk([], usage())
-        yield SSE_DONE
+            tail.append(chunk([], usage()))
+        yield b"".join(tail) + SSE_DONE
     except APIError as e:
-        yield sse_error(e)
+        yield b"".join(tail) + sse_error(e)
     except Exception as e:  # an engine failure mid-stream: tell the client, then end the stream
         log.exception("stream %s failed", gen.base_id)
-        yield sse_error(from_engine_error(e) or internal(e))
+        yield b"".join(tail) + sse_error(from_engine_error(e) or internal(e))
 
 
 def prompt_logprobs_json(eng: EngineClient, ro) -> list | None:

@@ -170,6 +170,8 @@ async def _stream(gen: Generation, req: CompletionRequest, model: str, created: 
     def usage() -> UsageInfo:
         return usage_info(list(last.values()))
 
+    total = len(gen.prompts) * req.num_samples
+    tail: list[bytes] = []  # the last choice's final frame, held to go out with usage and [DONE] in one write
     try:
         async for pi, ro in gen.outputs():
             last[pi] = ro
@@ -207,12 +209,16 @@ async def _stream(gen: Generation, req: CompletionRequest, model: str, created: 
                     finished.add(idx)
                 choice = CompletionChoice(index=idx, text=prefix + delta, logprobs=logprobs,
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                yield chunk([choice], usage() if req.continuous_usage else None)
+                frame = chunk([choice], usage() if req.continuous_usage else None)
+                if len(finished) < total:
+                    yield frame
+                else:  # nothing follows but the end of gen.outputs(), without waiting
+                    tail.append(frame)
         if req.include_usage:
-            yield chunk([], usage())
-        yield SSE_DONE
+            tail.append(chunk([], usage()))
+        yield b"".join(tail) + SSE_DONE
     except APIError as e:
-        yield sse_error(e)
+        yield b"".join(tail) + sse_error(e)
     except Exception as e:  # an engine failure mid-stream: tell the client, then end the stream
         log.exception("stream %s failed", gen.base_id)
-        yield sse_error(from_engine_error(e) or internal(e))
+        yield b"".join(tail) + sse_error(from_engine_error(e) or internal(e))
