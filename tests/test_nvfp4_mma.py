@@ -223,29 +223,6 @@ def test_sm90_compile_two_row_tiles_per_warp(gated, split, tokens, adaptive):
 
 
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
-@pytest.mark.parametrize("gated,split,units,tokens,prefetch", [(True, 1, 1, 8, True), (False, 2, 1, 8, True),
-                                                              (True, 1, 2, 8, True), (True, 1, 1, 16, True),
-                                                              (False, 2, 1, 8, False)])
-def test_sm90_compile_l2_prefetch(gated, split, units, tokens, prefetch):
-    """L2_AHEAD (weights prefetched into L2 ahead of the loads): one L2 prefetch (CCTL) per code vector and per scale
-    word of each K step in the loop, nothing else moves: no shared memory, no spills, the same loads and MMAs, the
-    registers of the tile without it (+ 4 at most at 1 unit per step), at most 0.2 more instructions per weight (8 tokens, 1 unit: 2.58
-    against 2.42 on triton 3.9)."""
-    kw = dict(gated=gated, split=split, units=units, prefetch=prefetch, fused_reduce=gated and split > 1,
-              tokens=tokens)
-    base = nvfp4_mma.k_loop_stats(**kw)
-    st = nvfp4_mma.k_loop_stats(**kw, l2_ahead=4)
-    steps = 2 if prefetch else 1
-    assert st["ops"].get("CCTL", 0) == 2 * units * steps and not base["ops"].get("CCTL"), st["ops"]
-    assert st["smem_ops_in_loop"] == 0 and st["spill_ops"] == 0, st
-    assert st["ops"]["HMMA"] == base["ops"]["HMMA"] and st["ops"]["LDG"] == base["ops"]["LDG"], (st, base)
-    # 1 unit: the prefetch addresses are the loads' registers + an immediate; 2 units: ptxas keeps one 64-bit address
-    # per unit and step for them (68 registers against 56 on triton 3.9)
-    assert st["regs"] <= base["regs"] + (4 if units == 1 else 12), (st["regs"], base["regs"])
-    assert st["per_weight"] <= base["per_weight"] + 0.2, (st["per_weight"], base["per_weight"])
-
-
-@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
 @pytest.mark.parametrize("splits", [(1, 1), (4, 2)])
 def test_sm90_compile_persistent(splits):
     """The persistent two-GEMM kernel: no spills in either K loop at its register cap (8 CTAs of 4 warps per
@@ -438,26 +415,25 @@ def test_mma_per_expert_loads(nan_buffers):
     topw = torch.rand(ids.shape[0], 1, device="cuda").bfloat16()
     _check(x, topw, ids, w13, w2)
     ref = naive.moe_experts(x, topw, ids, w13, w2)
-    for tokens, groups, prefetch, adaptive, mrep, l2 in ((8, (1, 1), False, False, 1, 0), (16, (1, 1), False, True, 1, 0),
-                                                         (16, (1, 1), True, False, 1, 0), (8, (2, 4), False, False, 1, 0),
-                                                         (8, (1, 1), True, False, 1, 0), (8, (1, 2), True, False, 2, 0),
-                                                         (16, (1, 1), True, True, 2, 0), (8, (1, 1), True, False, 1, 4),
-                                                         (8, (1, 1), False, False, 1, 3), (16, (1, 1), True, False, 1, 8)):
+    for tokens, groups, prefetch, adaptive, mrep in ((8, (1, 1), False, False, 1), (16, (1, 1), False, True, 1),
+                                                     (16, (1, 1), True, False, 1), (8, (2, 4), False, False, 1),
+                                                     (8, (1, 1), True, False, 1), (8, (1, 2), True, False, 2),
+                                                     (16, (1, 1), True, True, 2)):
         for splits in ((1, 1), (2, 2), (4, 2)):  # every split-K path
             outs = []
             for fused in (True, False):  # gate_up's partials reduced by its last split / by a separate launch
                 y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=tokens,
                                             groups=groups, prefetch=prefetch, fused_reduce=fused, adaptive=adaptive,
-                                            mrep=mrep, l2_ahead=l2)
+                                            mrep=mrep)
                 assert not y.isnan().any()
                 err = float((y.double() - ref.double()).norm() / ref.double().norm())
                 assert err <= 1e-2, (tokens, groups, splits, fused, err)
                 outs.append(y)
             assert torch.equal(outs[0], outs[1])  # the same sums in the same order
-            if tokens == 16 or mrep > 1 or l2:  # 16-token (adaptive or not), 2-tile warps, L2 prefetch: the 8-token bits
+            if tokens == 16 or mrep > 1:  # 16-token (adaptive or not) and 2-tile warps: the bits of the 8-token tile
                 y8 = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, tokens=8,
-                                             prefetch=prefetch, mrep=1, l2_ahead=0)
-                assert torch.equal(outs[0], y8), (splits, adaptive, mrep, l2)
+                                             prefetch=prefetch, mrep=1)
+                assert torch.equal(outs[0], y8), (splits, adaptive, mrep)
     for splits in ((1, 1), (2, 2), (4, 2)):  # the persistent two-GEMM launch: the same sums in the same order
         y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits)
         yp = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, splits=splits, persistent=True)
@@ -471,7 +447,7 @@ def test_mma_per_expert_loads(nan_buffers):
 def test_mma_tiles_bitwise_equal(nan_buffers, B):
     """Every tile shape runs the same MMAs in the same k order per token column: 8- and 16-token blocks (adaptive or
     not), 1 / 2 / 4 units per K step, 1 / 2 row tiles per warp, with and without the prefetch, with and without a
-    register budget (experts.MMA_TILES), 4 or 8 warps, with and without the L2 prefetch give the same bits (and the oracle within tolerance)."""
+    register budget (experts.MMA_TILES), 4 or 8 warps give the same bits (and the oracle within tolerance)."""
     E, k, H, I = 256, 8, 2048, 512
     w13, w2 = _weights(E, H, I, "cuda", seed=6)
     x = torch.randn(B, H, device="cuda").bfloat16()
@@ -488,12 +464,10 @@ def test_mma_tiles_bitwise_equal(nan_buffers, B):
                 assert torch.equal(y, y0), (tokens, adaptive, units, prefetch, maxnreg)
     # fewer, longer CTAs pick a deeper split-K at small batches (another summation order): the default's splits here
     splits = experts.mma_splits(B * k, w13.packed, w2.packed, nvfp4_mma.num_sms("cuda"))
-    for tokens, units, mrep, warps, l2 in ((8, 1, 2, 4, 0), (8, 2, 2, 4, 0), (16, 1, 2, 4, 0), (8, 1, 1, 8, 0),
-                                           (16, 1, 1, 8, 0), (8, 1, 1, 4, 4), (8, 2, 1, 4, 8), (16, 1, 1, 4, 4),
-                                           (8, 1, 2, 4, 4)):
+    for tokens, units, mrep, warps in ((8, 1, 2, 4), (8, 2, 2, 4), (16, 1, 2, 4), (8, 1, 1, 8), (16, 1, 1, 8)):
         y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, units=units, maxnreg=0,
-                                    mrep=mrep, warps=warps, splits=splits, l2_ahead=l2)
-        assert torch.equal(y, y0), (tokens, units, mrep, warps, l2)
+                                    mrep=mrep, warps=warps, splits=splits)
+        assert torch.equal(y, y0), (tokens, units, mrep, warps)
 
 
 @pytest.mark.gpu

@@ -526,9 +526,6 @@ MMA_CANDIDATES = {
     "2 row tiles per warp 8-token blocks": {"mrep": 2, "tokens": 8, "units": 1, "maxnreg": 0},
     "2 row tiles per warp 16-token fixed": {"mrep": 2, "tokens": 16, "units": 1, "maxnreg": 0, "adaptive": False},
     "8 warps": {"warps": 8},
-    # round 7: weights prefetched into L2 this many K steps ahead of the loads (nvfp4_mma L2_AHEAD)
-    **{f"L2 ahead {d}": {"l2_ahead": d} for d in (2, 4, 8)},
-    **{f"L2 ahead {d} 2 row tiles per warp 1 unit": {"l2_ahead": d, "mrep": 2, "units": 1, "maxnreg": 0} for d in (4,)},
     # the B = 8-128 tile (8-token blocks, 2 units per step: 56 registers, 9 CTAs per SM) at any batch
     "8-token blocks 2 units": {"tokens": 8, "units": 2, "maxnreg": 0},
 }

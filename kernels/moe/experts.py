@@ -327,10 +327,6 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
 # GPU-tested bitwise equal to 1 but not yet timed (the benchmark's "2 row tiles per warp" candidates): 1 everywhere.
 MMA_TILES = ((0, 1, 80, 1), (0.25, 2, 0, 1), (8, 1, 0, 1))
 
-# K steps of weights each warp prefetches into L2 ahead of its loads (nvfp4_mma L2_AHEAD; 0: none): bytes in flight
-# that hold no registers, for the batches whose tile has few bytes in flight per SM (16-token tiles at B = 256)
-MMA_L2_AHEAD = 0
-
 
 def mma_tile(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
     """(units per K step, register budget (0 = none), 16-row tiles per warp) of the MMA kernel for num_pairs pairs
@@ -371,7 +367,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
                     n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
                     adaptive: bool = MMA_ADAPTIVE_16, units8: int | None = MMA_ADAPTIVE_UNITS8, mrep: int | None = None,
-                    pdl_gate_up: bool | None = None, l2_ahead: int | None = None):
+                    pdl_gate_up: bool | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -387,8 +383,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     mrep: 16-row tiles per warp (each activation load feeds mrep row tiles; mma_tile where not given; bitwise the
     same results).
     pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
-    first. l2_ahead: K steps of weights prefetched into L2 ahead of the loads (MMA_L2_AHEAD where not given;
-    bitwise the same results). (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
+    first. (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
     benchmarks/results/kernels/moe/round6_small/.)
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
@@ -413,8 +408,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint)
-    cap = {"maxnreg": maxnreg or None, "adaptive": adaptive, "units8": units8, "mrep": mrep,
-           "l2_ahead": MMA_L2_AHEAD if l2_ahead is None else l2_ahead}
+    cap = {"maxnreg": maxnreg or None, "adaptive": adaptive, "units8": units8, "mrep": mrep}
     order = [n_fastest if n_fastest is not None else (s == 1 and P <= N_FASTEST_MAX_MEAN_PAIRS * E) for s in splits]
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if persistent:  # both GEMMs in one launch

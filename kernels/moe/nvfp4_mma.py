@@ -188,27 +188,6 @@ if HAVE_GLUON:
             return gl.load(ptrs, cache_modifier=WCACHE)
 
     @gluon.jit
-    def l2_prefetch(ptrs, ok, VEC: gl.constexpr):
-        """prefetch.global.L2 of the lines at ptrs (one per lane's VEC-word vector) where ok != 0: weight bytes in
-        flight that hold no registers (L2_AHEAD of _gemm_tile_body)."""
-        if VEC == 4:
-            return gl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $8, 0; @p prefetch.global.L2 [$4]; mov.b32 $0, 0; mov.b32 $1, 0; "
-                "mov.b32 $2, 0; mov.b32 $3, 0; }",
-                "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs, ok], dtype=gl.int32, is_pure=False, pack=4)
-        else:
-            return gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                                             "mov.b32 $0, 0; }", "=r,l,r", [ptrs, ok], dtype=gl.int32,
-                                             is_pure=False, pack=1)
-
-    @gluon.jit
-    def _l2_prefetch_step(c_base, s_base, c_off, s_off, step, ok, UNITS: gl.constexpr):
-        """L2 prefetch of the codes and scales of K step `step` from c_base / s_base where ok (a scalar)."""
-        okc = (c_off * 0 + ok.to(gl.int32))
-        l2_prefetch(c_base + step * UNITS * 128 + c_off, okc, 4)
-        l2_prefetch(s_base + step * UNITS * 16 + s_off, (s_off * 0 + ok.to(gl.int32)), 1)
-
-    @gluon.jit
     def _decode_mma(q, sw, sel, x_base, x_off, x_k, k0, K, acc, a_op: gl.constexpr, b_op: gl.constexpr,
                     EVEN_K: gl.constexpr, DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr,
                     UNITS: gl.constexpr, TOK: gl.constexpr):
@@ -242,7 +221,7 @@ if HAVE_GLUON:
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
             ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr, MREP: gl.constexpr,
-            WAIT_FIRST: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0):
+            WAIT_FIRST: gl.constexpr = False):
         if WAIT_FIRST:  # PDL, launched right behind the kernel that wrote the alignment: nothing to load before it
             gdc_wait()
         if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output;
@@ -260,8 +239,7 @@ if HAVE_GLUON:
                    sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
                    num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                    A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP,
-                   L2_AHEAD)
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP)
         if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
             gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
@@ -275,7 +253,7 @@ if HAVE_GLUON:
                    GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
                    WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False,
                    ADAPT: gl.constexpr = False, UNITS8: gl.constexpr = 1, PREFETCH8: gl.constexpr = False,
-                   MREP: gl.constexpr = 1, L2_AHEAD: gl.constexpr = 0):
+                   MREP: gl.constexpr = 1):
         """Row tile pid_n (GROUPS groups of 16 * WARPS * MREP rows) x K split pid_k of expert block pid_m (TOK slots of
         sorted_ids); SIGNAL: count the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent
         kernel's down tiles wait on it). ADAPT (TOK = 16): a block whose slots 8..15 are all padding (an expert
@@ -293,20 +271,20 @@ if HAVE_GLUON:
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE,
                                     CONSTRAINTS, GAIN, 16, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV, MREP, L2_AHEAD)
+                                    WAIT_PREV, MREP)
                 else:
                     _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                     rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h,
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS8, WARPS, EVEN_K,
                                     DECODE, CONSTRAINTS, GAIN, 8, GROUPS, PREFETCH8, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV, MREP, L2_AHEAD)
+                                    WAIT_PREV, MREP)
             else:
                 _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                 rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr,
                                 done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                                 A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS,
-                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, MREP, L2_AHEAD)
+                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, MREP)
 
     @gluon.jit
     def _gemm_tile_body(expert, pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
@@ -316,15 +294,12 @@ if HAVE_GLUON:
                         SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                         DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                         GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, MREP: gl.constexpr,
-                        L2_AHEAD: gl.constexpr = 0):
+                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, MREP: gl.constexpr):
         """ids_ptr: the block's TOK token slots in sorted_ids. MREP: 16-row tiles per warp (the MMA layout repeats
         along M in registers: row tile MREP * WARPS of the CTA is warp w's second); every activation load feeds MREP
         tiles' MMAs. WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
         grid dependency wait (written by kernels that ended before the previous one began, or never), the
-        activations (the previous kernel's output) after it. L2_AHEAD > 0: the codes and scales of the K step that
-        many steps ahead (of this split) are prefetched into L2 each step, the first L2_AHEAD at the start, so
-        a warp has L2_AHEAD steps of weight bytes in flight beyond the one or two its registers hold."""
+        activations (the previous kernel's output) after it."""
         MT: gl.constexpr = WARPS * MREP  # 16-row tiles per CTA
         ROWS: gl.constexpr = 16 * MT
         BK: gl.constexpr = 64 * UNITS
@@ -387,15 +362,9 @@ if HAVE_GLUON:
                 # flight while this one is decoded (the last loads read pack()'s slack, unused)
                 qa = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
                 sa = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
-                for i in gl.static_range(2, L2_AHEAD):  # steps 0 and 1 load at once
-                    _l2_prefetch_step(c_base, s_base, c_off, s_off, i, u_lo * 64 + i * BK < k_end, UNITS)
                 if WAIT_PREV:
                     gdc_wait()
                 for k0 in range(u_lo * 64, k_end, 2 * BK):
-                    if L2_AHEAD > 0:
-                        _l2_prefetch_step(c_base, s_base, c_off, s_off, L2_AHEAD, k0 + L2_AHEAD * BK < k_end, UNITS)
-                        _l2_prefetch_step(c_base, s_base, c_off, s_off, L2_AHEAD + 1,
-                                          k0 + (L2_AHEAD + 1) * BK < k_end, UNITS)
                     qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
                     acc = _decode_mma(qa, sa, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
@@ -408,13 +377,9 @@ if HAVE_GLUON:
                     s_base += 2 * UNITS * 16
                     x_base += 2 * BK
             else:
-                for i in gl.static_range(1, L2_AHEAD):  # step 0 loads at once
-                    _l2_prefetch_step(c_base, s_base, c_off, s_off, i, u_lo * 64 + i * BK < k_end, UNITS)
                 if WAIT_PREV:
                     gdc_wait()
                 for k0 in range(u_lo * 64, k_end, BK):
-                    if L2_AHEAD > 0:
-                        _l2_prefetch_step(c_base, s_base, c_off, s_off, L2_AHEAD, k0 + L2_AHEAD * BK < k_end, UNITS)
                     q = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
                     sw = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
                     acc = _decode_mma(q, sw, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
@@ -652,7 +617,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
            pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None, mrep: int = 1,
-           pdl_wait_first: bool = False, l2_ahead: int = 0):
+           pdl_wait_first: bool = False):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -664,8 +629,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     pdl_wait_first: launched with PDL, waiting for the previous kernel before anything else (then pdl_trigger):
     the gate_up kernel right behind the router that wrote its alignment. adaptive (tokens = 16): blocks
     with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units).
-    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide).
-    l2_ahead: K steps of weights prefetched into L2 ahead of the loads (L2_AHEAD of _gemm_tile_body; 0: none)."""
+    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -700,7 +664,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
         ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8, MREP=mrep,
-        WAIT_FIRST=pdl_wait_first, L2_AHEAD=l2_ahead, num_warps=warps, maxnreg=maxnreg,
+        WAIT_FIRST=pdl_wait_first, num_warps=warps, maxnreg=maxnreg,
         **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
 
 
@@ -763,7 +727,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
                     maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
                     adaptive: bool = False, units8: int | None = None, prefetch8: bool | None = None,
-                    mrep: int = 1, pdl_wait_first: bool = False, l2_ahead: int = 0):
+                    mrep: int = 1, pdl_wait_first: bool = False):
     """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch); returns the
     CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -777,8 +741,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
                   WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16, UNITS8=units8 or units,
-                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first,
-                  L2_AHEAD=l2_ahead)
+                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -828,7 +791,7 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
                  tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
                  weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None, adaptive: bool = False,
-                 units8: int | None = None, mrep: int = 1, l2_ahead: int = 0) -> dict:
+                 units8: int | None = None, mrep: int = 1) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 * mrep rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -838,12 +801,10 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
                                  tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep,
-                                 l2_ahead=l2_ahead)
+                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep,
-                        l2_ahead=l2_ahead)
+                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
     weights = 16 * mrep * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     smem = ("STS", "LDS", "LDSM", "BAR", "STSM")
     if adaptive and tokens == 16:
