@@ -277,6 +277,28 @@ def test_bench_mma_ipw_and_candidates(B):
         assert "," not in key and set(opts) - {"env"} <= params, (key, opts)  # env: set around the capture
 
 
+def test_bench_profile_per_launch():
+    """The `moe` benchmark's profile tells the MMA kernel's two launches of a call apart (gate_up, then down) by
+    launch order; other kernels and a profiler without events leave it empty."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from linrnn_bench.kernels import moe as bench
+
+    def ev(name, start, us, dev=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(start=start, elapsed_us=lambda: us))
+    evs = []
+    for c in range(3):  # 3 calls: route, gate_up (10 us), down (4 us), a host event
+        t = 100 * c
+        evs += [ev("_route_kernel", t, 2), ev("_nvfp4_mma_kernel", t + 10, 10), ev("_nvfp4_mma_kernel", t + 30, 4),
+                ev("cudaLaunchKernel", t, 1, DeviceType.CPU)]
+    got = bench._by_launch(SimpleNamespace(events=lambda: evs[::-1]), 3)
+    assert got == {"_nvfp4_mma_kernel [1]": 10.0, "_nvfp4_mma_kernel [2]": 4.0}, got
+    assert bench._by_launch(SimpleNamespace(events=lambda: evs[:4]), 3) == {}  # 1 launch in 3 calls: not per launch
+    assert bench._by_launch(SimpleNamespace(), 3) == {}
+
+
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
 @pytest.mark.parametrize("split,maxnreg", [(4, 80), (1, None)])
 def test_sm90_compile_gate_up_waits_first(split, maxnreg):
