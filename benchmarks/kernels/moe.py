@@ -261,6 +261,9 @@ VARIANTS = {
     # round 3: adaptive width, expert blocks of 64 << x slots run at wgmma N = 64 x their valid sub-blocks (-xX)
     **{f"nvfp4/wgmma-n64-w{w}-u{u}-s{st}-x{x}": ("nvfp4", ours_wgmma(64, w, u, st, sub_log=x))
        for w in (4, 8) for u in (1, 2) for st in (3, 4) for x in (1, 2)},
+    # round 7: decode-sized expert blocks (16 / 32 tokens) on the wgmma kernel's cp.async ring; -f32: f32 down partials
+    **{f"nvfp4/wgmma-n{n}-w4-u{u}-s{st}" + ("-f32" if not b16 else ""): ("nvfp4", ours_wgmma(n, 4, u, st, True, "rs", b16))
+       for n in (16, 32) for u in (1, 2) for st in (4, 6) for b16 in (True, False)},
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),
@@ -632,16 +635,26 @@ def profile_kernels(fn) -> dict:
 
 
 def _by_launch(prof, calls: int) -> dict:
-    """A kernel launched n > 1 times per call (the MMA kernel: gate_up, then down) also per launch, in launch order:
-    "name [1]", "name [2]" (device us per call); {} where the profiler's events do not say."""
+    """A GEMM kernel launched n > 1 times per call (the MMA / wgmma kernels: gate_up, then down) also per launch, in
+    launch order: "name [1]", "name [2]" (device us per call); {} where the profiler's events do not say."""
     try:
         from torch.autograd import DeviceType
 
-        evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and "nvfp4_mma" in e.name),
-                     key=lambda e: e.time_range.start)
-        per = len(evs) // calls
-        if per < 2 or per * calls != len(evs):
-            return {}
+        by_name: dict = {}
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA and ("nvfp4_mma" in e.name or "nvfp4_wgmma" in e.name):
+                by_name.setdefault(e.name, []).append(e)
+        out = {}
+        for name, evs in by_name.items():
+            per = len(evs) // calls
+            if per < 2 or per * calls != len(evs):
+                continue
+            for i, e in enumerate(sorted(evs, key=lambda e: e.time_range.start)):
+                key = f"{name[:50]} [{i % per + 1}]"
+                out[key] = out.get(key, 0.0) + e.time_range.elapsed_us() / calls
+        return {k: round(v, 2) for k, v in out.items()}
+    except Exception:  # noqa: BLE001 - a profiler without these fields: the totals stand alone
+        return {}
         out = {}
         for i, e in enumerate(evs):
             key = f"{e.name[:50]} [{i % per + 1}]"
