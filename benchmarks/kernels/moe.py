@@ -523,6 +523,12 @@ MMA_CANDIDATES = {
     # round 7: longer down CTAs (K = 512 is 8 units: each CTA runs 2 or 4 row groups one after the other)
     "down 2 row groups": {"groups": (1, 2)},
     "down 4 row groups": {"groups": (1, 4)},
+    # the down GEMM's own tile (K = 512: 8 units, CTAs 4x shorter than gate_up's)
+    "down 1 unit": {"down_tile": {"units": 1, "maxnreg": None}},
+    "down 1 unit budget 40": {"down_tile": {"units": 1, "maxnreg": 40}},
+    "down 4 units": {"down_tile": {"units": 4, "maxnreg": None}},
+    "down 4 units budget 80": {"down_tile": {"units": 4, "maxnreg": 80}},
+    "down 2 row tiles per warp": {"down_tile": {"mrep": 2}},
     "16-token adaptive": {"tokens": 16, "units": 1, "maxnreg": 0, "adaptive": True},
     "16-token adaptive budget 80": {"tokens": 16, "units": 1, "maxnreg": 80, "adaptive": True},
     "16-token adaptive 8-token loop 2 units": {"tokens": 16, "units": 1, "maxnreg": 0, "adaptive": True, "units8": 2},

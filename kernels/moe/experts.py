@@ -367,7 +367,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
                     n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
                     adaptive: bool = MMA_ADAPTIVE_16, units8: int | None = MMA_ADAPTIVE_UNITS8, mrep: int | None = None,
-                    pdl_gate_up: bool | None = None):
+                    pdl_gate_up: bool | None = None, down_tile: dict | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -383,7 +383,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     mrep: 16-row tiles per warp (each activation load feeds mrep row tiles; mma_tile where not given; bitwise the
     same results).
     pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
-    first. (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
+    first. down_tile: the down GEMM's own units / maxnreg / mrep where given (its K is 4x shorter than gate_up's).
+    (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
     benchmarks/results/kernels/moe/round6_small/.)
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
     in natural k order."""
@@ -438,8 +439,11 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                          n_fastest=order[0], **first, **common, **cap)
         if not fused_reduce:
             gg.silu_mul_reduce(ws, h)
+    down_common, down_cap = dict(common), dict(cap)
+    for key, val in (down_tile or {}).items():
+        (down_common if key == "units" else down_cap)[key] = val
     nvfp4_mma.launch(h, p2, part, route_weights=route_w, split=s2, groups=groups[1], n_fastest=order[1],
-                     pdl_wait=pdl, pdl_trigger=pdl, **common, **cap)
+                     pdl_wait=pdl, pdl_trigger=pdl, **down_common, **down_cap)
     if not combine:
         return Partials(part, top_k)
     gg.sum_reduce(part, out, group=top_k, pdl=pdl)
