@@ -526,6 +526,11 @@ MMA_CANDIDATES = {
     # the down GEMM's own tile (K = 512: 8 units, CTAs 4x shorter than gate_up's)
     "down 1 unit": {"down_tile": {"units": 1, "maxnreg": None}},
     "down 1 unit budget 40": {"down_tile": {"units": 1, "maxnreg": 40}},
+    "down 1 unit budget 32": {"down_tile": {"units": 1, "maxnreg": 32}},
+    "down 1 unit budget 48": {"down_tile": {"units": 1, "maxnreg": 48}},
+    "down 1 unit budget 56": {"down_tile": {"units": 1, "maxnreg": 56}},
+    "1 unit budget 40": {"units": 1, "maxnreg": 40},
+    "1 unit budget 48": {"units": 1, "maxnreg": 48},
     "down 4 units": {"down_tile": {"units": 4, "maxnreg": None}},
     "down 4 units budget 80": {"down_tile": {"units": 4, "maxnreg": 80}},
     "down 2 row tiles per warp": {"down_tile": {"mrep": 2}},
