@@ -326,6 +326,27 @@ def test_split_k_fills_sms():
     assert experts.mma_tile(8 * 256, 256) == experts.MMA_TILES[-1][1:]  # B = 256
 
 
+def test_mma_down_tile_by_batch(monkeypatch):
+    """The down GEMM's own tile (experts.MMA_DOWN_TILES) from 1 pair per expert (B = 32 at top-8 over 256 experts)
+    while the blocks hold 8 tokens; the 16-token tile (B >= 256) and B < 32 keep the common tile; the A/B switch."""
+    E = 256
+    assert experts.mma_down_tile(16 * 8, E) == {}  # B = 16
+    assert experts.mma_down_tile(32 * 8, E) == experts.mma_down_tile(255 * 8, E) == {"units": 1, "maxnreg": 40}
+    assert experts.mma_down_tile(256 * 8, E) == {}  # 16-token blocks
+    monkeypatch.setenv("LINRNN_MMA_DOWN_TILES", "0")
+    assert experts.mma_down_tile(64 * 8, E) == {}
+
+
+@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
+@pytest.mark.parametrize("lo,units,maxnreg", experts.MMA_DOWN_TILES)
+def test_sm90_compile_down_tile(lo, units, maxnreg):
+    """The down GEMM's tiles (8 tokens, split 1, route-weighted): within the budget, no spills, no shared memory, the
+    8-token instruction budget kept (2.44 per weight at 40 registers on triton 3.9)."""
+    st = nvfp4_mma.k_loop_stats(gated=False, split=1, units=units, maxnreg=maxnreg)
+    assert st["regs"] <= maxnreg and st["spill_ops"] == 0 and st["smem_ops_in_loop"] == 0, st
+    assert st["per_weight"] <= ipw_budget(8), st
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the alignment kernel runs on CPU tensors "
                     "(interpreter); on a CUDA machine the GPU tests cover the chain")
 @pytest.mark.parametrize("fused_reduce,combine,gate_up_pdl", [
@@ -469,7 +490,7 @@ def test_mma_per_expert_loads(nan_buffers):
 def test_mma_tiles_bitwise_equal(nan_buffers, B):
     """Every tile shape runs the same MMAs in the same k order per token column: 8- and 16-token blocks (adaptive or
     not), 1 / 2 / 4 units per K step, 1 / 2 row tiles per warp, with and without the prefetch, with and without a
-    register budget (experts.MMA_TILES), 4 or 8 warps give the same bits (and the oracle within tolerance)."""
+    register budget (experts.MMA_TILES), 4 or 8 warps, the down GEMM's own tile (MMA_DOWN_TILES) give the same bits (and the oracle within tolerance)."""
     E, k, H, I = 256, 8, 2048, 512
     w13, w2 = _weights(E, H, I, "cuda", seed=6)
     x = torch.randn(B, H, device="cuda").bfloat16()
@@ -490,6 +511,9 @@ def test_mma_tiles_bitwise_equal(nan_buffers, B):
         y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, units=units, maxnreg=0,
                                     mrep=mrep, warps=warps, splits=splits)
         assert torch.equal(y, y0), (tokens, units, mrep, warps)
+    for down in ({}, {"units": 1, "maxnreg": 40}, {"units": 4, "maxnreg": 0}, {"mrep": 2}):  # the down GEMM's own tile
+        y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=8, down_tile=down, splits=splits)
+        assert torch.equal(y, y0), down
 
 
 @pytest.mark.gpu

@@ -524,6 +524,7 @@ MMA_CANDIDATES = {
     "down 2 row groups": {"groups": (1, 2)},
     "down 4 row groups": {"groups": (1, 4)},
     # the down GEMM's own tile (K = 512: 8 units, CTAs 4x shorter than gate_up's)
+    "down tile off": {"down_tile": {}},  # the common tile for both GEMMs (before round 7)
     "down 1 unit": {"down_tile": {"units": 1, "maxnreg": None}},
     "down 1 unit budget 40": {"down_tile": {"units": 1, "maxnreg": 40}},
     "down 1 unit budget 32": {"down_tile": {"units": 1, "maxnreg": 32}},
@@ -572,13 +573,16 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor, num_sms: int | 
     E = p13.codes.shape[0]
     units, maxnreg, mrep = experts.mma_tile(num_pairs, E)
     splits = experts.mma_splits(num_pairs, p13, p2, num_sms or nvfp4_mma.num_sms(w13.data.device), mrep=mrep)
+    down = experts.mma_down_tile(num_pairs, E)
     out = []
     for p, sp in zip((p13, p2), splits):
-        u = nvfp4_mma.units_per_step(p.codes.shape[2], sp, units)
+        tile = {"units": units, "maxnreg": maxnreg, "mrep": mrep, **({} if p.gated else down)}
+        u = nvfp4_mma.units_per_step(p.codes.shape[2], sp, tile["units"])
         pf = nvfp4_mma.DEFAULT_PREFETCH and (p.codes.shape[2] // sp // u) % 2 == 0
         st = nvfp4_mma.k_loop_stats(gated=p.gated, split=sp, units=u, prefetch=pf, fused_reduce=p.gated and sp > 1,
-                                    tokens=experts.mma_tokens(num_pairs, E), maxnreg=maxnreg or None,
-                                    adaptive=experts.MMA_ADAPTIVE_16, units8=experts.MMA_ADAPTIVE_UNITS8, mrep=mrep)
+                                    tokens=experts.mma_tokens(num_pairs, E), maxnreg=tile["maxnreg"] or None,
+                                    adaptive=experts.MMA_ADAPTIVE_16, units8=experts.MMA_ADAPTIVE_UNITS8,
+                                    mrep=tile["mrep"])
         # adaptive 16-token kernel: "16-token loop (8-token loop)"
         out.append(f"{st['per_weight']:.2f}" + (f" ({st['per_weight_8']:.2f})" if "per_weight_8" in st else ""))
     return " / ".join(out)

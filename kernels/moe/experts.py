@@ -328,6 +328,27 @@ def mma_tokens(num_pairs: int, num_experts: int) -> int:
 MMA_TILES = ((0, 1, 80, 1), (0.25, 2, 0, 1), (8, 1, 0, 1))
 
 
+# The down GEMM's own tile (K = 512: 8 units, its CTAs 4x shorter than gate_up's, so it gains from more CTAs per SM):
+# (from this mean number of pairs per expert, units per K step, register budget); below the first row it runs the
+# tile of MMA_TILES. H200, one 35B-A3B layer, candidates in one run each (benchmarks/results/kernels/moe/round7/):
+# 1 unit at a budget of 40 (12 CTAs of 4 warps per SM against 9) -2.2 to -2.6 us at B = 64, -4.0 to -4.4 at 128. The
+# 16-token tile (B >= 256) keeps the common one: 9 CTAs per SM need a budget of 56, where ptxas spills the weight loads'
+# 64-bit L2 policy register inside the K loop (measured -3.7 / -3.9 us all the same; budget 40: +64 us). The same MMAs
+# in the same k order: bitwise the same results. LINRNN_MMA_DOWN_TILES=0: the common tile everywhere (the A/B switch)
+MMA_DOWN_TILES = ((1, 1, 40),)
+
+
+def mma_down_tile(num_pairs: int, num_experts: int) -> dict:
+    """moe_experts_mma's down_tile for num_pairs pairs (MMA_DOWN_TILES; {}: the common tile)."""
+    if os.environ.get("LINRNN_MMA_DOWN_TILES", "1") == "0" or mma_tokens(num_pairs, num_experts) != 8:
+        return {}
+    tile = {}
+    for lo, units, maxnreg in MMA_DOWN_TILES:
+        if num_pairs >= lo * num_experts:
+            tile = {"units": units, "maxnreg": maxnreg}
+    return tile
+
+
 def mma_tile(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
     """(units per K step, register budget (0 = none), 16-row tiles per warp) of the MMA kernel for num_pairs pairs
     (MMA_TILES)."""
@@ -383,7 +404,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     mrep: 16-row tiles per warp (each activation load feeds mrep row tiles; mma_tile where not given; bitwise the
     same results).
     pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
-    first. down_tile: the down GEMM's own units / maxnreg / mrep where given (its K is 4x shorter than gate_up's).
+    first. down_tile: the down GEMM's own units / maxnreg / mrep (mma_down_tile where not given; {}: the common tile).
     (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
     benchmarks/results/kernels/moe/round6_small/.)
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
@@ -440,7 +461,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         if not fused_reduce:
             gg.silu_mul_reduce(ws, h)
     down_common, down_cap = dict(common), dict(cap)
-    for key, val in (down_tile or {}).items():
+    for key, val in (mma_down_tile(P, E) if down_tile is None else down_tile).items():
         (down_common if key == "units" else down_cap)[key] = val
     nvfp4_mma.launch(h, p2, part, route_weights=route_w, split=s2, groups=groups[1], n_fastest=order[1],
                      pdl_wait=pdl, pdl_trigger=pdl, **down_common, **down_cap)

@@ -40,7 +40,8 @@ Register budget (maxnreg, per batch in experts.MMA_TILES): left to itself, ptxas
 first MMAs, so a loop iteration waits on 4 L1/L2 round trips in a row; with a budget of 80 it takes 78 registers and
 issues all 8 loads (activations of both steps, the next steps' codes and scales) before the first MMA (sm_90 SASS,
 k_loop_stats "loads_before_mma"). Occupancy hides the serial loads at large batches; at B = 1 (about 4 CTAs per SM)
-it does not: round 3's B = 1 regression (benchmarks/results/kernels/moe/round4/).
+it does not: round 3's B = 1 regression (benchmarks/results/kernels/moe/round4/). The down GEMM (K = 512, CTAs 4x
+shorter) has its own tile from B = 32 (experts.MMA_DOWN_TILES: 1 unit at 40 registers, 12 CTAs per SM).
 
 Programmatic dependent launch (pdl_trigger / pdl_wait of `launch`, chained by experts.moe_experts_mma): gate_up,
 launched plainly after the router, lets the down kernel launch at once (TRIGGER_NEXT); the down CTAs that find a
