@@ -2,7 +2,7 @@
 # NVFP4 MoE decode, round 7 (issue #13): the down GEMM's own tile (experts.MMA_DOWN_TILES: 1 unit at a register budget
 # of 40, 12 CTAs per SM) against the common tile (LINRNN_MMA_DOWN_TILES=0 / candidate "down tile off").
 # Device calls on one H200 (LINRNN_COMMIT=<sha>; stages comma-separated, results under $OUT/moe_r7):
-#   tests   tests/test_nvfp4_mma.py GPU cases (-n 4) and the engine's graphs-on == graphs-off greedy tests (~150 s)
+#   tests   tests/test_nvfp4_mma.py GPU cases (-n 4; MMA_K: a -k selection) and the engine's graphs-on == graphs-off greedy tests (~150 s)
 #   layer   the `moe` layer benchmark B = 1 .. 256: nvfp4/mma, nvfp4/asm (the old kernel), bf16/ours, copy bandwidth,
 #           candidates default / down tile off, per-launch profile; two passes (fresh routing each) (~140 s)
 #   engine  bench batched NVFP4 f32 npl 1-128, the down tile on and off, one process each (~230 s)
@@ -14,7 +14,7 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 echo "commit ${LINRNN_COMMIT:-?}"
 has() { [[ ",$1," == *",$2,"* ]]; }
 if has "$1" tests; then
-  timeout 200 python3 -m pytest -q -n 4 -m gpu tests/test_nvfp4_mma.py -p no:cacheprovider -rfE \
+  timeout 200 python3 -m pytest -q -n 4 -m gpu tests/test_nvfp4_mma.py ${MMA_K:+-k "$MMA_K"} -p no:cacheprovider -rfE \
     --junitxml=$R/test_nvfp4_mma_gpu.xml > $R/tests.log 2>&1; el tests; tail -1 $R/tests.log
   timeout 200 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -k "graph" -p no:cacheprovider -rfE \
     --junitxml=$R/test_engine_gpu.xml > $R/tests_engine.log 2>&1; el engine tests; tail -1 $R/tests_engine.log

@@ -462,7 +462,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
             gg.silu_mul_reduce(ws, h)
     down_common, down_cap = dict(common), dict(cap)
     for key, val in (mma_down_tile(P, E) if down_tile is None else down_tile).items():
-        (down_common if key == "units" else down_cap)[key] = val
+        (down_common if key == "units" else down_cap)[key] = (val or None) if key == "maxnreg" else val
     nvfp4_mma.launch(h, p2, part, route_weights=route_w, split=s2, groups=groups[1], n_fastest=order[1],
                      pdl_wait=pdl, pdl_trigger=pdl, **down_common, **down_cap)
     if not combine:
