@@ -261,9 +261,6 @@ VARIANTS = {
     # round 3: adaptive width, expert blocks of 64 << x slots run at wgmma N = 64 x their valid sub-blocks (-xX)
     **{f"nvfp4/wgmma-n64-w{w}-u{u}-s{st}-x{x}": ("nvfp4", ours_wgmma(64, w, u, st, sub_log=x))
        for w in (4, 8) for u in (1, 2) for st in (3, 4) for x in (1, 2)},
-    # round 7: decode-sized expert blocks (16 / 32 tokens) on the wgmma kernel's cp.async ring; -f32: f32 down partials
-    **{f"nvfp4/wgmma-n{n}-w4-u{u}-s{st}" + ("-f32" if not b16 else ""): ("nvfp4", ours_wgmma(n, 4, u, st, True, "rs", b16))
-       for n in (16, 32) for u in (1, 2) for st in (4, 6) for b16 in (True, False)},
     "nvfp4/asm": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "asm")),
     "nvfp4/w4a4": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "dot_scaled")),
     "nvfp4/triton": ("nvfp4", lambda l, x, k, a, b: ours(l, x, k, a, b, "triton")),

@@ -56,7 +56,8 @@ if nvfp4_mma.HAVE_GLUON:
     # and the cp.async copy async_copy_global_to_shared, 3.9 async_load
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
-BLOCK_NS = (16, 32, 64, 128, 256)  # tokens per expert block (wgmma N; 16 / 32: decode-sized blocks)
+BLOCK_NS = (64, 128, 256)  # tokens per expert block (wgmma N). 16 / 32-token blocks at decode batches: measured
+# slower than the MMA-fragment kernel's layer (benchmarks/results/kernels/moe/round7/)
 # The default tile, measured on the H200 (benchmarks/results/kernels/moe/prefill_wgmma/): 64 tokens per expert
 # block (128 / 256 waste more MMA work on padding and were slower at every size up to 8192 tokens), two
 # warpgroups (128 weight rows) per CTA sharing each activation tile, 2 units (128 k) per K step, 4 stages
