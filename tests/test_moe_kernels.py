@@ -104,8 +104,10 @@ def test_route_rejects_bad_top_k():
 # ---------------------------------------------------------------------------------------- align
 
 @pytest.mark.parametrize("T,E,k,block_m", [(1, 8, 2, 16), (7, 8, 2, 16), (40, 8, 2, 16), (40, 8, 2, 32),
-                                          (20, 64, 8, 16), (3, 256, 8, 16)])
+                                          (20, 64, 8, 16), (3, 256, 8, 16), (200, 256, 8, 16), (257, 256, 8, 8)])
 def test_align_matches_naive(T, E, k, block_m):
+    """Every path of the one-launch kernel: ids in registers (ONE_PASS, up to 2048 pairs, 1600 not a power of two)
+    and two passes over 1024-pair chunks (2056 pairs)."""
     ids = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(T)]).int()
     sorted_ids, expert_ids, num_padded = align.moe_align_block_size(ids, E, block_m)
     ref_sorted, ref_experts, ref_padded = naive.moe_align_block_size(ids, E, block_m)
@@ -462,7 +464,7 @@ from triton.compiler import ASTSource
 from linrnn_kernels.moe import align, router, router_fused
 cases = {
     "route": (router._route_kernel, dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=1, BLOCK_E=256, BLOCK_K=8, PDL=True)),
-    "align": (align._align_kernel, dict(BLOCK_M=8, BLOCK_E=256, BLOCK_P=64, PDL=True)),
+    "align": (align._align_kernel, dict(BLOCK_M=8, BLOCK_E=256, BLOCK_P=64, PDL=True, ONE_PASS=True)),
     "route_align": (router_fused._route_align_kernel, dict(
         TOP_K=8, RENORMALIZE=True, BLOCK_E=256, BLOCK_TOPK=8, BLOCK_M_ALIGN=8, BLOCK_P=16, BLOCK_B=32, PAIR_BLOCKS=True,
         ROUTE_M=1, REPLICAS=1, REG_ALIGN=False, LOGIT_KEYS=True, PDL=True)),

@@ -45,7 +45,10 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, P, E, max_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+                  ONE_PASS: tl.constexpr = False):
+    """ONE_PASS (P <= BLOCK_P): the ids are read once and kept in registers for both passes (one L2 round trip
+    instead of two); else pass 1 and pass 2 each loop over BLOCK_P-pair chunks."""
     if PDL:  # launched with PDL: the ids' writer first, then the next kernel may launch (it waits for this one)
         gdc_wait()
         gdc_launch_dependents()
@@ -53,11 +56,16 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, P, E, max
     offs_e = tl.arange(0, BLOCK_E)
     offs_p = tl.arange(0, BLOCK_P)
     # pass 1: per-expert pair counts (ids outside [0, E) are ignored)
-    counts = tl.zeros((BLOCK_E,), tl.int32)
-    for start in range(0, P, BLOCK_P):
-        ids = tl.load(ids_ptr + start + offs_p, mask=start + offs_p < P, other=-1).to(tl.int32)
-        ok = (ids >= 0) & (ids < E)
-        counts += tl.histogram(tl.where(ok, ids, 0), BLOCK_E, mask=ok)
+    if ONE_PASS:
+        ids_all = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1).to(tl.int32)
+        ok = (ids_all >= 0) & (ids_all < E)
+        counts = tl.histogram(tl.where(ok, ids_all, 0), BLOCK_E, mask=ok)
+    else:
+        counts = tl.zeros((BLOCK_E,), tl.int32)
+        for start in range(0, P, BLOCK_P):
+            ids = tl.load(ids_ptr + start + offs_p, mask=start + offs_p < P, other=-1).to(tl.int32)
+            ok = (ids >= 0) & (ids < E)
+            counts += tl.histogram(tl.where(ok, ids, 0), BLOCK_E, mask=ok)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
@@ -66,14 +74,19 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, P, E, max
     padded_e = tl.sum(tl.where(offs_e == e, padded, 0), axis=0)
 
     # pass 2: this expert's pairs, in ascending pair order
-    placed = 0
-    for start in range(0, P, BLOCK_P):
-        pair = start + offs_p
-        ids = tl.load(ids_ptr + pair, mask=pair < P, other=-1).to(tl.int32)
-        hit = ids == e
+    if ONE_PASS:
+        hit = ids_all == e
         rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
-        tl.store(sorted_ptr + start_e + placed + rank, pair, mask=hit)
-        placed += tl.sum(hit.to(tl.int32), axis=0)
+        tl.store(sorted_ptr + start_e + rank, offs_p, mask=hit)
+    else:
+        placed = 0
+        for start in range(0, P, BLOCK_P):
+            pair = start + offs_p
+            ids = tl.load(ids_ptr + pair, mask=pair < P, other=-1).to(tl.int32)
+            hit = ids == e
+            rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(sorted_ptr + start_e + placed + rank, pair, mask=hit)
+            placed += tl.sum(hit.to(tl.int32), axis=0)
     offs_m = tl.arange(0, BLOCK_M)
     pad = start_e + count_e + offs_m
     tl.store(sorted_ptr + pad, tl.zeros((BLOCK_M,), tl.int32) + P, mask=pad < start_e + padded_e)
@@ -88,6 +101,10 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, P, E, max
             blk = b + offs_m
             tl.store(expert_ids_ptr + blk, tl.full((BLOCK_M,), -1, tl.int32), mask=blk < max_blocks)
 
+
+# Up to this many pairs each program of the one-launch kernel keeps all the ids in registers (one read, not two;
+# 2048 pairs = B = 256 at top-8: 8 per thread at 8 warps)
+ONE_PASS_MAX_PAIRS = 2048
 
 # From this many pairs the chunked alignment runs (three launches, each id read twice in all) instead of the
 # one-launch kernel whose E programs each read all the ids twice
@@ -190,9 +207,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_e = triton.next_power_of_2(num_experts)
     chunk = _chunk_size(P, num_experts)
     if chunk is None:
+        one_pass = P <= ONE_PASS_MAX_PAIRS
+        block_p = max(16, triton.next_power_of_2(P)) if one_pass else 1024
         _align_kernel[(num_experts,)](
             ids, sorted_ids, expert_ids, num_padded, P, num_experts, max_blocks,
-            BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=min(1024, max(16, triton.next_power_of_2(P))), num_warps=4,
+            BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, ONE_PASS=one_pass, num_warps=4 if block_p <= 1024 else 8,
             **chain_pdl_kwargs(topk_ids, pdl))
         return sorted_ids, expert_ids, num_padded
     nc = triton.cdiv(P, chunk)
