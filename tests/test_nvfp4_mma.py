@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 from linrnn_kernels.moe import experts, naive, nvfp4_layout as lay, nvfp4_mma
 from linrnn_kernels.moe import grouped_gemm as gg
@@ -33,9 +34,17 @@ CUDA = torch.cuda.is_available()
 # (experts.MMA_ADAPTIVE_16: a 16- and an 8-token K loop in one kernel, 62 registers) compiles its 16-token loop to
 # 183 per 64 weights = 2.86 on triton 3.9 (address arithmetic the standalone loop folds; 3.00 on triton 3.6, the
 # benchmark's column on the H200), its 8-token loop to the standalone 2.42 (2.53 on 3.6): budget 3.0 for that
-# 16-token loop, 2.5 for its 8-token loop on 3.9 (the 8-token budget).
+# 16-token loop, 2.5 for its 8-token loop on 3.9 (the 8-token budget). Triton 3.6 (the GPU image) compiles that
+# adaptive kernel's 8-token loop to 2.53-2.55 and, with two row tiles per warp, to 104 registers (88 on 3.9): those
+# options are off by default for it (round6/, round7/ of benchmarks/results/kernels/moe/); their compile tests take
+# 3.6's numbers there (ADAPTIVE_8_BUDGET, MREP_ADAPTIVE_REGS), every default tile keeps the budgets above.
 def ipw_budget(tokens: int, adaptive: bool = False) -> float:
     return 2.5 if tokens == 8 else (3.0 if adaptive else 2.85)
+
+
+_TRITON_BEFORE_3_9 = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9)
+ADAPTIVE_8_BUDGET = 2.56 if _TRITON_BEFORE_3_9 else ipw_budget(8)
+MREP_ADAPTIVE_REGS = 104 if _TRITON_BEFORE_3_9 else 88
 
 
 def _random_nvfp4(E, n, k, gen, zero_frac=0.05):
@@ -171,7 +180,7 @@ def test_sm90_compile_adaptive(gated, split, units8):
     assert st["spill_ops"] == 0, st
     assert st["ops"]["HMMA"] == 16, st  # two K steps x 4 k16 x two n8 MMAs
     assert st["per_weight"] <= ipw_budget(16, adaptive=True), st
-    assert st["per_weight_8"] <= ipw_budget(8), st
+    assert st["per_weight_8"] <= ADAPTIVE_8_BUDGET, st
     assert st["regs"] <= (64 if units8 == 1 else 72), st
 
 
@@ -217,7 +226,7 @@ def test_sm90_compile_two_row_tiles_per_warp(gated, split, tokens, adaptive):
     assert st["ops"]["HMMA"] == 2 * 2 * 4 * tokens // 8, st  # two K steps x 4 k16 x two row tiles x tokens / 8
     assert st["per_weight"] <= ipw_budget(tokens, adaptive), st
     assert st.get("per_weight_8", 0) <= ipw_budget(8), st
-    assert st["regs"] <= (72 if tokens == 8 else 88), st
+    assert st["regs"] <= (72 if tokens == 8 else MREP_ADAPTIVE_REGS if adaptive else 88), st
     res = nvfp4_mma.ptx_operand_wiring(gated=gated, split=split, units=1, tokens=tokens, mrep=2, adaptive=adaptive)
     assert res["errors"] == [] and res["mmas"] == 8 * 2 * (tokens // 8 + (1 if adaptive else 0)), res
 
