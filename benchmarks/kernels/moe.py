@@ -522,15 +522,6 @@ MMA_CANDIDATES = {
     "down 4 row groups": {"groups": (1, 4)},
     # the down GEMM's own tile (K = 512: 8 units, CTAs 4x shorter than gate_up's)
     "down tile off": {"down_tile": {}},  # the common tile for both GEMMs (before round 7)
-    # round 8: persistent grids (nvfp4_mma._gemm_tiles_persistent: a CTA's next tile's first weights load under its
-    # current tile's last K step and epilogue); CTAs per SM as many as fit (-1) for (gate_up, down)
-    "persist down b56": {"persist": (0, -1), "down_tile": {"units": 1, "maxnreg": 56}},
-    "persist down b48": {"persist": (0, -1), "down_tile": {"units": 1, "maxnreg": 48}},
-    "persist down free": {"persist": (0, -1), "down_tile": {"units": 1, "maxnreg": 0}},
-    "persist gate_up": {"persist": (-1, 0)},
-    "persist both free": {"persist": (-1, -1), "down_tile": {"units": 1, "maxnreg": 0}},
-    "persist both 1 unit b56": {"persist": (-1, -1), "units": 1, "maxnreg": 56, "down_tile": {"units": 1, "maxnreg": 56}},
-    "persist both 1 unit b72": {"persist": (-1, -1), "units": 1, "maxnreg": 72, "down_tile": {"units": 1, "maxnreg": 72}},
     "down 1 unit": {"down_tile": {"units": 1, "maxnreg": None}},
     "down 1 unit budget 40": {"down_tile": {"units": 1, "maxnreg": 40}},
     "down 1 unit budget 32": {"down_tile": {"units": 1, "maxnreg": 32}},

@@ -85,16 +85,15 @@ class Alignment(NamedTuple):
 
 
 def aligned(topk_ids: torch.Tensor, num_experts: int, block_m: int, alignment: Alignment | None,
-            pair_blocks_ok: bool = False, with_padded: bool = False):
+            pair_blocks_ok: bool = False):
     """(sorted_ids, expert_ids) for block_m-token expert blocks: the alignment computed ahead (e.g. by the
     fused router) when it used the same block size (and is expert-sorted, unless the caller takes pair
-    blocks), else moe_align_block_size. with_padded: (sorted_ids, expert_ids, num_padded, pair_blocks)."""
+    blocks), else moe_align_block_size."""
     if (alignment is not None and alignment.block_m == block_m
             and (pair_blocks_ok or not alignment.pair_blocks)):
-        out = alignment.sorted_ids, alignment.expert_ids, alignment.num_padded, alignment.pair_blocks
-    else:
-        out = *moe_align_block_size(topk_ids, num_experts, block_m), False
-    return out if with_padded else out[:2]
+        return alignment.sorted_ids, alignment.expert_ids
+    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, num_experts, block_m)
+    return sorted_ids, expert_ids
 
 
 def expert_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -389,8 +388,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
                     n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
                     adaptive: bool = MMA_ADAPTIVE_16, units8: int | None = MMA_ADAPTIVE_UNITS8, mrep: int | None = None,
-                    pdl_gate_up: bool | None = None, down_tile: dict | None = None,
-                    persist: tuple[int, int] | None = None):
+                    pdl_gate_up: bool | None = None, down_tile: dict | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -407,8 +405,6 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     same results).
     pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
     first. down_tile: the down GEMM's own units / maxnreg / mrep (mma_down_tile where not given; {}: the common tile).
-    persist: (gate_up, down) CTAs per SM of a persistent grid (nvfp4_mma.launch's persist) for a GEMM without
-    split-K over expert-sorted blocks; 0: one CTA per tile. down_tile's maxnreg applies to the down GEMM either way.
     (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
     benchmarks/results/kernels/moe/round6_small/.)
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
@@ -427,8 +423,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     mrep = (1 if persistent else tile[2]) if mrep is None else mrep
     pdl = nvfp4_mma.pdl_default(x.device) if pdl is None else pdl
     pdl_gate_up = pdl and (pdl_gate_up_default(pdl) if pdl_gate_up is None else pdl_gate_up)
-    sorted_ids, expert_ids, num_padded, pair_blocks = aligned(topk_ids, E, tokens, alignment,
-                                                              pair_blocks_ok=not persistent, with_padded=True)
+    sorted_ids, expert_ids = aligned(topk_ids, E, tokens, alignment, pair_blocks_ok=not persistent)
     blocks = expert_ids.numel()
     if splits is None:
         splits = mma_splits(P, p13, p2, nvfp4_mma.num_sms(x.device), warps, groups, per_sm, mrep)
@@ -457,10 +452,9 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     # only then letting the down kernel launch: either way the down kernel may read the alignment before its grid
     # dependency wait (nvfp4_mma.launch)
     first = dict(pdl_trigger=pdl, pdl_wait_first=pdl_gate_up)
-    persist = [c if s == 1 and not pair_blocks else 0 for c, s in zip(persist or (0, 0), splits)]
     if s13 == 1:
         nvfp4_mma.launch(x, p13, h, a_row_div=top_k, split=1, groups=groups[0], n_fastest=order[0],
-                         persist=persist[0], num_padded=num_padded, **first, **common, **cap)
+                         **first, **common, **cap)
     else:
         nvfp4_mma.launch(x, p13, ws, a_row_div=top_k, split=s13, groups=groups[0], h=h if fused_reduce else None,
                          n_fastest=order[0], **first, **common, **cap)
@@ -470,8 +464,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     for key, val in (mma_down_tile(P, E) if down_tile is None else down_tile).items():
         (down_common if key == "units" else down_cap)[key] = (val or None) if key == "maxnreg" else val
     nvfp4_mma.launch(h, p2, part, route_weights=route_w, split=s2, groups=groups[1], n_fastest=order[1],
-                     pdl_wait=pdl, pdl_trigger=pdl, persist=persist[1], num_padded=num_padded, **down_common,
-                     **down_cap)
+                     pdl_wait=pdl, pdl_trigger=pdl, **down_common, **down_cap)
     if not combine:
         return Partials(part, top_k)
     gg.sum_reduce(part, out, group=top_k, pdl=pdl)

@@ -222,33 +222,25 @@ if HAVE_GLUON:
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
             ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr, MREP: gl.constexpr,
-            WAIT_FIRST: gl.constexpr = False, num_padded_ptr=None, PERSIST: gl.constexpr = False):
+            WAIT_FIRST: gl.constexpr = False):
         if WAIT_FIRST:  # PDL, launched right behind the kernel that wrote the alignment: nothing to load before it
             gdc_wait()
         if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output;
             gdc_launch_dependents()  # with WAIT_FIRST only now, so its pre-wait loads see the alignment)
-        if PERSIST:  # split 1, one row group: work items on a persistent grid
-            _gemm_tiles_persistent(x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_om,
-                                   sorted_ids_ptr, expert_ids_ptr, route_w_ptr, num_padded_ptr,
-                                   num_rows, N, n_tiles, k_units, stride_ce, stride_se, stride_rse,
-                                   A_ROW_DIV, GATED, ROUTE_WEIGHTED, UNITS, WARPS, DECODE, CONSTRAINTS, GAIN, TOK,
-                                   EVICT, WCACHE, N_FASTEST, WAIT_PREV, MREP)
-        else:
-            pid = gl.program_id(0)
-            pid_k = gl.program_id(1)
-            if N_FASTEST:  # the row tiles of one expert block run next to each other
-                n_progs = n_tiles // (WARPS * MREP * GROUPS)
-                pid_n = pid % n_progs
-                pid_m = pid // n_progs
-            else:  # one row tile of every expert block, then the next
-                pid_m = pid % num_m_blocks
-                pid_n = pid // num_m_blocks
-            _gemm_tile(pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_os,
-                       stride_om, sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
-                       num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
-                       A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                       TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8,
-                       MREP)
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        if N_FASTEST:  # the row tiles of one expert block run next to each other
+            n_progs = n_tiles // (WARPS * MREP * GROUPS)
+            pid_n = pid % n_progs
+            pid_m = pid // n_progs
+        else:  # one row tile of every expert block, then the next
+            pid_m = pid % num_m_blocks
+            pid_n = pid // num_m_blocks
+        _gemm_tile(pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_os, stride_om,
+                   sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
+                   num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
+                   A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP)
         if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
             gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
@@ -445,147 +437,6 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _item_tile(item, nb, n_progs, N_FASTEST: gl.constexpr):
-        """(expert block, row tile) of work item `item` over nb blocks of n_progs row tiles (the CTA order of
-        _nvfp4_mma_kernel's grid)."""
-        if N_FASTEST:
-            return item // n_progs, item % n_progs
-        else:
-            return item % nb, item // nb
-
-    @gluon.jit
-    def _gemm_tiles_persistent(x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr, out_ptr, stride_om,
-                               sorted_ids_ptr, expert_ids_ptr, route_w_ptr, num_padded_ptr,
-                               num_rows, N, n_tiles, k_units, stride_ce, stride_se, stride_rse,
-                               A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr,
-                               UNITS: gl.constexpr, WARPS: gl.constexpr, DECODE: gl.constexpr,
-                               CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
-                               EVICT: gl.constexpr, WCACHE: gl.constexpr, N_FASTEST: gl.constexpr,
-                               WAIT_PREV: gl.constexpr, MREP: gl.constexpr):
-        """The split-1 tiles of _gemm_tile_body on a persistent grid: CTA c runs work items c, c + grid, ..
-        (item -> (expert block, row tile) as the one-tile grid orders its CTAs; only the num_padded / TOK
-        blocks that hold pairs), and the first K step's codes and scales of its next item load during its
-        current item's last K step and epilogue, so a CTA's weight stream does not stop between tiles (a one-tile
-        CTA waits on its expert id and then on its first codes). Same MMAs in the same k order per tile: the
-        same bits as the one-tile grid. Needs an even number of K steps (the prefetching loop, two per pass)."""
-        MT: gl.constexpr = WARPS * MREP
-        ROWS: gl.constexpr = 16 * MT
-        BK: gl.constexpr = 64 * UNITS
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, 8])
-        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        raw: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
-                                             warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
-        sraw: gl.constexpr = gl.SliceLayout(3, raw)
-        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 16, 1], threads_per_warp=[1, 1, 4, 1, 8],
-                                            warps_per_cta=[WARPS, 1, 1, 1, 1], order=[3, 2, 4, 1, 0])
-        xn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, xl)))))
-        xu = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, xl)))))
-        xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, xl)))))
-        xp = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, xl)))))
-        x_k = xu[None, :, None, None, None] * 64 + xt[None, None, :, None, None] * 16 + xp[None, None, None, :, None]
-        offs_w = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
-        offs_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, raw))))
-        offs_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, raw))))
-        offs_e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, raw))))
-        c_off = ((offs_w[:, None, None, None] * k_units + offs_u[None, :, None, None]) * 128
-                 + offs_l[None, None, :, None] * 4 + offs_e[None, None, None, :])
-        so_w = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, sraw)))
-        so_u = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, sraw)))
-        so_l = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sraw)))
-        s_off = (so_w[:, None, None] * k_units + so_u[None, :, None]) * 16 + (so_l // 2)[None, None, :]
-        sel = scale_selector(so_l)[None, None, :]
-        spol = l2_evict_first_policy(s_off)
-        cpol = gl.broadcast(gl.expand_dims(spol, 3), c_off)[0]
-
-        n_progs = n_tiles // MT
-        nb = gl.load(num_padded_ptr) // TOK  # expert blocks holding pairs: the first nb (align.py)
-        n_items = nb * n_progs
-        last = gl.maximum(n_items - 1, 0)
-        K = k_units * 64
-        item = gl.program_id(0)
-        # the first item's first K step (a CTA without work loads the last item's, unused)
-        pid_m, pid_n = _item_tile(gl.minimum(item, last), nb, n_progs, N_FASTEST)
-        expert = gl.load(expert_ids_ptr + pid_m)
-        c_base = codes_ptr + expert.to(gl.int64) * stride_ce + (pid_n * MT).to(gl.int64) * k_units * 128
-        s_base = scales_ptr + expert.to(gl.int64) * stride_se + (pid_n * MT).to(gl.int64) * k_units * 16
-        qa = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
-        sa = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
-        if WAIT_PREV:
-            gdc_wait()
-        while item < n_items:
-            pid_m, pid_n = _item_tile(item, nb, n_progs, N_FASTEST)
-            nxt = item + gl.num_programs(0)
-            expert2 = gl.load(expert_ids_ptr + _item_tile(gl.minimum(nxt, last), nb, n_progs, N_FASTEST)[0])
-            ids_ptr = sorted_ids_ptr + pid_m * TOK
-            ids_b = gl.load(ids_ptr + xn)
-            a_rows = gl.where(ids_b < num_rows, ids_b // A_ROW_DIV, 0).to(gl.int64)
-            x_off = a_rows[None, None, None, None, :] * stride_x + x_k
-            x_base = x_ptr
-            acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
-            for k0 in range(0, K - 2 * BK, 2 * BK):
-                qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
-                sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
-                acc = _decode_mma(qa, sa, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, True, DECODE,
-                                  CONSTRAINTS, MT, UNITS, TOK)
-                qa = load_weights(c_base + 2 * UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
-                sa = load_weights(s_base + 2 * UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
-                acc = _decode_mma(qb, sb, sel, x_base + BK, x_off, x_k, k0 + BK, K, acc, a_op, b_op, True,
-                                  DECODE, CONSTRAINTS, MT, UNITS, TOK)
-                c_base += 2 * UNITS * 128
-                s_base += 2 * UNITS * 16
-                x_base += 2 * BK
-            # the last two K steps; between them the next item's first codes and scales
-            qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
-            sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
-            acc = _decode_mma(qa, sa, sel, x_base, x_off, x_k, K - 2 * BK, K, acc, a_op, b_op, True, DECODE,
-                              CONSTRAINTS, MT, UNITS, TOK)
-            pid_n2 = _item_tile(gl.minimum(nxt, last), nb, n_progs, N_FASTEST)[1]
-            c_base = codes_ptr + expert2.to(gl.int64) * stride_ce + (pid_n2 * MT).to(gl.int64) * k_units * 128
-            s_base = scales_ptr + expert2.to(gl.int64) * stride_se + (pid_n2 * MT).to(gl.int64) * k_units * 16
-            qa = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
-            sa = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
-            acc = _decode_mma(qb, sb, sel, x_base + BK, x_off, x_k, K - BK, K, acc, a_op, b_op, True,
-                              DECODE, CONSTRAINTS, MT, UNITS, TOK)
-            _store_tile(acc, expert.to(gl.int64), pid_n * MT, ids_ptr, rs_ptr, route_w_ptr, out_ptr, stride_om, N, num_rows,
-                        stride_rse, GATED, ROUTE_WEIGHTED, GAIN, MT, TOK)
-            item = nxt
-            expert = expert2
-
-    @gluon.jit
-    def _store_tile(acc, expert, tile0, ids_ptr, rs_ptr, route_w_ptr, out_ptr, stride_om, N, num_rows, stride_rse,
-                    GATED: gl.constexpr, ROUTE_WEIGHTED: gl.constexpr, GAIN: gl.constexpr, MT: gl.constexpr,
-                    TOK: gl.constexpr):
-        """A split-1 tile's epilogue: row scales (and routing weights), then SiLU(gate) * up [tokens, N / 2] (gated)
-        or the rows [tokens, N] of out."""
-        mma: gl.constexpr = acc.type.layout
-        offs_r = gl.arange(0, 16 * MT, layout=gl.SliceLayout(1, mma))
-        offs_t = gl.arange(0, TOK, layout=gl.SliceLayout(0, mma))
-        tile = tile0 + offs_r // 16
-        r8 = (offs_r // 8) % 2
-        g = offs_r % 8
-        if GATED:
-            half = N // 2
-            col = tile * 8 + g
-            w_row = r8 * half + col
-            row_ok = col < half
-        else:
-            w_row = tile * 16 + r8 * 8 + g
-            row_ok = w_row < N
-        rs = gl.load(rs_ptr + expert * stride_rse + w_row, mask=row_ok, other=0.0)
-        acc = acc * (rs * GAIN)[:, None]
-        ids = gl.load(ids_ptr + offs_t)
-        tok_ok = ids < num_rows
-        if ROUTE_WEIGHTED:
-            acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
-        if GATED:
-            _silu_store(acc, out_ptr, stride_om, ids_ptr, tile0, N, num_rows, MT, TOK)
-        else:
-            gl.store(out_ptr + ids.to(gl.int64)[None, :] * stride_om + w_row[:, None],
-                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
-
-    @gluon.jit
     def _moe_persistent_kernel(
             x_ptr, stride_x, c13_ptr, s13_ptr, rs13_ptr, ws_ptr, stride_ws, stride_wsm, h_ptr, stride_h,
             c2_ptr, s2_ptr, rs2_ptr, part_ptr, stride_ps, stride_pm, route_w_ptr,
@@ -767,7 +618,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
            pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None, mrep: int = 1,
-           pdl_wait_first: bool = False, persist: int = 0, num_padded: torch.Tensor | None = None):
+           pdl_wait_first: bool = False):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -779,9 +630,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     pdl_wait_first: launched with PDL, waiting for the previous kernel before anything else (then pdl_trigger):
     the gate_up kernel right behind the router that wrote its alignment. adaptive (tokens = 16): blocks
     with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units).
-    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide).
-    persist: a persistent grid of this many CTAs per SM (_gemm_tiles_persistent; split 1, one row group, an even
-    number of K steps, expert-sorted blocks with num_padded, the alignment's padded pair count); 0: one CTA per tile."""
+    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -799,19 +648,11 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     prefetch = _can_prefetch(prefetch, w, split, units)
     scales32 = w.scales.view(torch.int32)
     grid = (num_m_blocks * (T // (warps * mrep * groups)), split)
-    if persist:
-        if split != 1 or groups != 1 or adaptive or not prefetch or num_padded is None:
-            raise ValueError("a persistent grid needs split 1, one row group, the prefetching loop (an even number "
-                             "of K steps over packed buffers with slack), no adaptive tile and num_padded")
-        key = (w.gated, units, warps, tokens, mrep, maxnreg, prefetch, weight_hint, pdl_wait, pdl_trigger,
-               pdl_wait_first, route_weights is not None, a_row_div)
-        per_sm = persist if persist > 0 else _resident.get(key, 4)
-        grid = (min(grid[0], num_sms(x.device) * per_sm), 1)
     fused = h is not None
     if fused and not (w.gated and split > 1 and grid[0] * groups <= TICKETS):
         raise ValueError(f"the fused split-K reduction needs gated weights, split > 1 and <= {TICKETS} tiles")
     dummy = out
-    kernel = _nvfp4_mma_kernel[grid](
+    _nvfp4_mma_kernel[grid](
         x, x.stride(0), w.codes, scales32, w.row_scale, out,
         out.stride(0) if out.dim() == 3 else 0, out.stride(-2),
         sorted_ids, expert_ids, route_weights if route_weights is not None else dummy,
@@ -824,24 +665,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
         ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8, MREP=mrep,
-        WAIT_FIRST=pdl_wait_first, num_padded_ptr=num_padded if persist else None, PERSIST=bool(persist),
-        num_warps=warps, maxnreg=maxnreg, **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
-    if persist < 0 and key not in _resident:
-        _resident[key] = resident_ctas(kernel, warps)
-
-
-# persist < 0: CTAs per SM of a persistent launch as many as fit (resident_ctas of the compiled kernel, known after
-# its first launch, which runs on 4 per SM: any grid gives the same results)
-_resident: dict = {}
-
-
-def resident_ctas(kernel, warps: int) -> int:
-    """CTAs of `warps` warps that fit one sm_90 SM by registers (65536, allocated per warp in 256s), warps (64) and
-    shared memory (228 KB) for a compiled kernel."""
-    kernel._init_handles()
-    per_warp = -(-kernel.n_regs * 32 // 256) * 256
-    by_smem = (228 << 10) // max(kernel.metadata.shared, 1)
-    return max(1, min(65536 // per_warp // warps, 64 // warps, by_smem))
+        WAIT_FIRST=pdl_wait_first, num_warps=warps, maxnreg=maxnreg,
+        **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
 
 
 # the persistent kernel holds both GEMMs' state (74 registers uncapped, 6 CTAs per SM); capped at 64 it
@@ -903,9 +728,9 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
                     maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
                     adaptive: bool = False, units8: int | None = None, prefetch8: bool | None = None,
-                    mrep: int = 1, pdl_wait_first: bool = False, persist: bool = False):
-    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive, persist as in launch);
-    returns the CompiledKernel."""
+                    mrep: int = 1, pdl_wait_first: bool = False):
+    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch); returns the
+    CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
            "out_ptr": "*bf16" if (gated and split == 1) else "*fp32", "stride_os": "i32", "stride_om": "i32",
@@ -917,15 +742,9 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
                   WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16, UNITS8=units8 or units,
-                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first,
-                  PERSIST=persist)
-    if persist:
-        sig["num_padded_ptr"] = "*i32"
-    else:
-        consts["num_padded_ptr"] = None
+                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first)
     for k in consts:
         sig[k] = "constexpr"
-    sig = {n: sig[n] for n in _nvfp4_mma_kernel.arg_names}  # in argument order
     # what the JIT specializes at run time: pointers and these ints divisible by 16
     div16 = {"x_ptr", "stride_x", "codes_ptr", "scales_ptr", "rs_ptr", "out_ptr", "stride_os", "stride_om",
              "sorted_ids_ptr", "expert_ids_ptr", "route_w_ptr", "h_ptr", "stride_h", "tick_ptr", "N", "K", "stride_ce", "stride_se", "stride_rse"}
