@@ -522,6 +522,12 @@ MMA_CANDIDATES = {
     "down 4 row groups": {"groups": (1, 4)},
     # the down GEMM's own tile (K = 512: 8 units, CTAs 4x shorter than gate_up's)
     "down tile off": {"down_tile": {}},  # the common tile for both GEMMs (before round 7)
+    # round 8, B = 1-2 (split-K 2, 4 units per split): the down kernel's whole split in one K step, all its codes and
+    # scales loaded before its PDL wait (while gate_up runs), at budgets that let it sit next to gate_up's CTAs
+    "down 4 units budget 48": {"down_tile": {"units": 4, "maxnreg": 48}},
+    "down 4 units budget 56": {"down_tile": {"units": 4, "maxnreg": 56}},
+    "down 4 units budget 64": {"down_tile": {"units": 4, "maxnreg": 64}},
+    "down 2 units budget 48": {"down_tile": {"units": 2, "maxnreg": 48}},
     "down 1 unit": {"down_tile": {"units": 1, "maxnreg": None}},
     "down 1 unit budget 40": {"down_tile": {"units": 1, "maxnreg": 40}},
     "down 1 unit budget 32": {"down_tile": {"units": 1, "maxnreg": 32}},

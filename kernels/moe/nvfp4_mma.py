@@ -378,9 +378,18 @@ if HAVE_GLUON:
                     s_base += 2 * UNITS * 16
                     x_base += 2 * BK
             else:
-                if WAIT_PREV:
+                k_first = u_lo * 64
+                if WAIT_PREV:  # the first K step's codes and scales before the wait (a 1-step split: all of them)
+                    q = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
+                    sw = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
                     gdc_wait()
-                for k0 in range(u_lo * 64, k_end, BK):
+                    acc = _decode_mma(q, sw, sel, x_base, x_off, x_k, k_first, K, acc, a_op, b_op, EVEN_K, DECODE,
+                                      CONSTRAINTS, MT, UNITS, TOK)
+                    c_base += UNITS * 128
+                    s_base += UNITS * 16
+                    x_base += BK
+                    k_first += BK
+                for k0 in range(k_first, k_end, BK):
                     q = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
                     sw = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
                     acc = _decode_mma(q, sw, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
