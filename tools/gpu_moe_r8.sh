@@ -37,3 +37,6 @@ if has "$1" engine; then
     grep -E "^\| 128 \| 128 \|" $R/batched_$tiles/batched.md | head -6
   done
 fi
+if has "$1" floor; then
+  python3 tools/graph_floor.py | tee $R/graph_floor.json
+fi
