@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# NVFP4 MoE decode, round 8 (issue #13): small batches, the down kernel's weights loaded before its PDL wait.
+# NVFP4 MoE decode, round 8 (issue #13): the split-K down tile at B = 1 (experts.MMA_DOWN_SPLIT_TILE: all of a split's
+# codes and scales loaded before the PDL wait) and the candidates of benchmarks/results/kernels/moe/round8/.
 # Device call on one H200 (LINRNN_COMMIT=<sha>; stages comma-separated, results under $OUT/moe_r8):
-#   tests   tests/test_nvfp4_mma.py GPU cases (MMA_K: a -k selection) and the engine's graphs-on == off tests
+#   tests   tests/test_nvfp4_mma.py GPU cases (MMA_K: a -k selection) and the engine's graphs-on == off tests (~230 s)
 #   layer   the `moe` layer benchmark (BS batch sizes), nvfp4/mma, nvfp4/asm, bf16/ours, per-launch profile, the
 #           candidates CANDS; PASSES passes (fresh routing each)
-#   engine  bench batched NVFP4 f32 at NPL, with LINRNN_MMA_DOWN_TILES on and off, one process each
+#   engine  bench batched NVFP4 f32 at NPL (default 1,8), LINRNN_MMA_DOWN_TILES on and off, one process each
+#   floor   tools/graph_floor.py: the layer timing's floor (a one-kernel graph replay)
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}
 R=$OUT/moe_r8

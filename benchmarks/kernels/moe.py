@@ -585,7 +585,7 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor, num_sms: int | 
     E = p13.codes.shape[0]
     units, maxnreg, mrep = experts.mma_tile(num_pairs, E)
     splits = experts.mma_splits(num_pairs, p13, p2, num_sms or nvfp4_mma.num_sms(w13.data.device), mrep=mrep)
-    down = experts.mma_down_tile(num_pairs, E)
+    down = experts.mma_down_tile(num_pairs, E, splits[1])
     out = []
     for p, sp in zip((p13, p2), splits):
         tile = {"units": units, "maxnreg": maxnreg, "mrep": mrep, **({} if p.gated else down)}
