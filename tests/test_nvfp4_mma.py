@@ -344,21 +344,8 @@ def test_mma_down_tile_by_batch(monkeypatch):
     assert experts.mma_down_tile(16 * 8, E) == {}  # B = 16
     assert experts.mma_down_tile(32 * 8, E) == experts.mma_down_tile(255 * 8, E) == {"units": 1, "maxnreg": 40}
     assert experts.mma_down_tile(256 * 8, E) == {}  # 16-token blocks
-    assert experts.mma_down_tile(8, E, split=2) == experts.MMA_DOWN_SPLIT_TILE  # B = 1: split-K
     monkeypatch.setenv("LINRNN_MMA_DOWN_TILES", "0")
-    assert experts.mma_down_tile(64 * 8, E) == experts.mma_down_tile(8, E, split=2) == {}
-
-
-@pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
-def test_sm90_compile_down_split_tile():
-    """The split-K down tile (experts.MMA_DOWN_SPLIT_TILE: B = 1, 8 units in 2 splits of one 4-unit K step) under PDL:
-    all of the step's code and scale loads (4 + 4) issued before the grid dependency wait, within its register budget,
-    no spills, no shared memory."""
-    tile = experts.MMA_DOWN_SPLIT_TILE
-    st = nvfp4_mma.pdl_order_stats(gated=False, split=2, units=tile["units"], prefetch=False, maxnreg=tile["maxnreg"])
-    assert st["weight_loads_before_wait"] == 2 * tile["units"], st
-    assert st["regs"] <= tile["maxnreg"] and st["spill_ops"] == 0 and st["smem_ops_in_loop"] == 0, st
-    assert st["trigger_first"] and st["exits_without_wait"] == 0, st
+    assert experts.mma_down_tile(64 * 8, E) == {}
 
 
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")

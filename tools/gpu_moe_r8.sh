@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# NVFP4 MoE decode, round 8 (issue #13): the split-K down tile at B = 1 (experts.MMA_DOWN_SPLIT_TILE: all of a split's
-# codes and scales loaded before the PDL wait) and the candidates of benchmarks/results/kernels/moe/round8/.
+# NVFP4 MoE decode, round 8 (issue #13): the candidates of benchmarks/results/kernels/moe/round8/ (their kernel diffs are
+# under round8/variants/) and the LINRNN_MMA_DOWN_TILES engine A/B.
 # Device call on one H200 (LINRNN_COMMIT=<sha>; stages comma-separated, results under $OUT/moe_r8):
 #   tests   tests/test_nvfp4_mma.py GPU cases (MMA_K: a -k selection) and the engine's graphs-on == off tests (~230 s)
 #   layer   the `moe` layer benchmark (BS batch sizes), nvfp4/mma, nvfp4/asm, bf16/ours, per-launch profile, the

@@ -522,21 +522,13 @@ MMA_CANDIDATES = {
     "down 4 row groups": {"groups": (1, 4)},
     # the down GEMM's own tile (K = 512: 8 units, CTAs 4x shorter than gate_up's)
     "down tile off": {"down_tile": {}},  # the common tile for both GEMMs (before round 7)
-    # round 8, B = 1-2 (split-K 2, 4 units per split): the down kernel's whole split in one K step, all its codes and
-    # scales loaded before its PDL wait (while gate_up runs), at budgets that let it sit next to gate_up's CTAs
-    "down 4 units budget 48": {"down_tile": {"units": 4, "maxnreg": 48}},
-    "down 4 units budget 56": {"down_tile": {"units": 4, "maxnreg": 56}},
-    "down 4 units budget 64": {"down_tile": {"units": 4, "maxnreg": 64}},
-    "down 2 units budget 48": {"down_tile": {"units": 2, "maxnreg": 48}},
-    # B = 1: gate_up split deeper so that every split's codes are in flight at once (1-2 K steps per CTA)
+    # round 8, B = 1: gate_up split deeper so that every split's codes are in flight at once (1-2 K steps per CTA)
     "gate_up split 8 4 units budget 64": {"splits": (8, 2), "units": 4, "maxnreg": 64,
                                           "down_tile": {"units": 1, "maxnreg": 80}},
     "gate_up split 8 2 units budget 64": {"splits": (8, 2), "units": 2, "maxnreg": 64,
                                           "down_tile": {"units": 1, "maxnreg": 80}},
     "gate_up split 16 2 units budget 64": {"splits": (16, 2), "units": 2, "maxnreg": 64,
                                            "down_tile": {"units": 1, "maxnreg": 80}},
-    "gate_up split 8 4 units budget 64 down 4 units budget 48": {"splits": (8, 2), "units": 4, "maxnreg": 64,
-                                                                 "down_tile": {"units": 4, "maxnreg": 48}},
     "down 1 unit": {"down_tile": {"units": 1, "maxnreg": None}},
     "down 1 unit budget 40": {"down_tile": {"units": 1, "maxnreg": 40}},
     "down 1 unit budget 32": {"down_tile": {"units": 1, "maxnreg": 32}},
@@ -585,7 +577,7 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor, num_sms: int | 
     E = p13.codes.shape[0]
     units, maxnreg, mrep = experts.mma_tile(num_pairs, E)
     splits = experts.mma_splits(num_pairs, p13, p2, num_sms or nvfp4_mma.num_sms(w13.data.device), mrep=mrep)
-    down = experts.mma_down_tile(num_pairs, E, splits[1])
+    down = experts.mma_down_tile(num_pairs, E)
     out = []
     for p, sp in zip((p13, p2), splits):
         tile = {"units": units, "maxnreg": maxnreg, "mrep": mrep, **({} if p.gated else down)}

@@ -336,22 +336,15 @@ MMA_TILES = ((0, 1, 80, 1), (0.25, 2, 0, 1), (8, 1, 0, 1))
 # 64-bit L2 policy register inside the K loop (measured -3.7 / -3.9 us all the same; budget 40: +64 us). The same MMAs
 # in the same k order: bitwise the same results. LINRNN_MMA_DOWN_TILES=0: the common tile everywhere (the A/B switch)
 MMA_DOWN_TILES = ((1, 1, 40),)
-
-# The down GEMM's tile when it is split along K (B = 1 at top-8 over 256 experts: 8 experts x 32 row tiles x 2 splits):
-# each split's 4 units in one K step, all of its codes and scales loaded before its PDL wait, i.e. while gate_up still
-# runs; at 48 registers its CTAs fit the SMs next to gate_up's (4 x 80 registers x 128 threads per SM). H200, one
-# 35B-A3B layer, four passes in two runs (benchmarks/results/kernels/moe/round8/): 19.4-19.7 vs 19.8-20.1 us at B = 1
-# (the B = 2 batch, split 1 and two 4-unit steps, was 2-3 us slower: not used there). Bitwise the same results.
-MMA_DOWN_SPLIT_TILE = {"units": 4, "maxnreg": 48}
+# (Round 8 measured a B = 1 down tile, one 4-unit K step per split at 48 registers with every code and scale loaded
+# before the PDL wait: the layer 0.3-0.4 us faster, the engine 31 us per step slower at npl 1 (2.206 vs 2.175 ms, two
+# runs each); not kept, round8/README.md.)
 
 
-def mma_down_tile(num_pairs: int, num_experts: int, split: int = 1) -> dict:
-    """moe_experts_mma's down_tile for num_pairs pairs whose down GEMM is cut into `split` K splits (MMA_DOWN_TILES,
-    MMA_DOWN_SPLIT_TILE; {}: the common tile)."""
+def mma_down_tile(num_pairs: int, num_experts: int) -> dict:
+    """moe_experts_mma's down_tile for num_pairs pairs (MMA_DOWN_TILES; {}: the common tile)."""
     if os.environ.get("LINRNN_MMA_DOWN_TILES", "1") == "0" or mma_tokens(num_pairs, num_experts) != 8:
         return {}
-    if split > 1:
-        return dict(MMA_DOWN_SPLIT_TILE)
     tile = {}
     for lo, units, maxnreg in MMA_DOWN_TILES:
         if num_pairs >= lo * num_experts:
@@ -471,7 +464,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
         if not fused_reduce:
             gg.silu_mul_reduce(ws, h)
     down_common, down_cap = dict(common), dict(cap)
-    for key, val in (mma_down_tile(P, E, s2) if down_tile is None else down_tile).items():
+    for key, val in (mma_down_tile(P, E) if down_tile is None else down_tile).items():
         (down_common if key == "units" else down_cap)[key] = (val or None) if key == "maxnreg" else val
     nvfp4_mma.launch(h, p2, part, route_weights=route_w, split=s2, groups=groups[1], n_fastest=order[1],
                      pdl_wait=pdl, pdl_trigger=pdl, **down_common, **down_cap)

@@ -33,7 +33,9 @@ Two tile options, both off by default (experts.MMA_ADAPTIVE_16, experts.MMA_TILE
 
 `launch_persistent` runs both GEMMs in one persistent launch (work items from an integer counter, down
 tiles waiting on their block's gate_up tiles); measured slower than the two launches on the H200 at
-most batch sizes (results/kernels/moe/MMA.md), so not the default.
+most batch sizes (results/kernels/moe/MMA.md), so not the default. A persistent grid per GEMM (CTAs striding over
+the tiles, each loading its next tile's first codes under its current tile's last K step and epilogue) was slower
+still at B = 32-128 (+3 to +18 us per layer) and equal at 256: results/kernels/moe/round8/, removed.
 
 Register budget (maxnreg, per batch in experts.MMA_TILES): left to itself, ptxas compiles the default 1-unit loop to
 44 registers (round 2's: 52) by issuing each activation load next to its MMAs and the next step's code loads behind the
@@ -378,18 +380,9 @@ if HAVE_GLUON:
                     s_base += 2 * UNITS * 16
                     x_base += 2 * BK
             else:
-                k_first = u_lo * 64
-                if WAIT_PREV:  # the first K step's codes and scales before the wait (a 1-step split: all of them)
-                    q = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
-                    sw = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
+                if WAIT_PREV:
                     gdc_wait()
-                    acc = _decode_mma(q, sw, sel, x_base, x_off, x_k, k_first, K, acc, a_op, b_op, EVEN_K, DECODE,
-                                      CONSTRAINTS, MT, UNITS, TOK)
-                    c_base += UNITS * 128
-                    s_base += UNITS * 16
-                    x_base += BK
-                    k_first += BK
-                for k0 in range(k_first, k_end, BK):
+                for k0 in range(u_lo * 64, k_end, BK):
                     q = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
                     sw = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
                     acc = _decode_mma(q, sw, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
