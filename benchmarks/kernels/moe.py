@@ -30,8 +30,10 @@ random x and a router at HF init scale 0.02, so some experts are hot). Side by s
                   index_add (BENCH.md's measured peer)
   nvfp4/dequant   baseline: dequantize all experts to bf16, then the grouped_mm peer
 Each variant is first checked against the naive reference (relative Frobenius error <= 1e-2, no
-NaN) and is not timed if it fails. Times are triton.testing.do_bench medians (which also flush L2
-before every repetition) of CUDA-graph replays (what a decode step sees; eager if capture fails),
+NaN) and is not timed if it fails. Times are medians over do_bench's protocol with L2 flushed before every
+repetition by reading 256 MB (--flush read, the default; --flush zero: do_bench's own zeroing flush, whose dirty
+lines the timed kernels write back: 2-11 us more per layer call, results/final_run_9/moe_flush/) of CUDA-graph
+replays (what a decode step sees; eager if capture fails),
 rotating through --sets independent weight/input sets. GB/s counts the bytes that must move:
 experts touched (from the actual routing) x bytes per expert incl. scales, + logits, x and output;
 % copy is relative to a device-to-device copy measured in the same run (read + write counted).
@@ -72,8 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graph", action="store_true", help="time eager calls instead of graph replays")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
-    p.add_argument("--flush", choices=FLUSHES, default="zero",
-                   help="L2 flush before each timed call: zero a 256 MB buffer (do_bench, default) or read it")
+    p.add_argument("--flush", choices=FLUSHES, default="read",
+                   help="L2 flush before each timed call: read a 256 MB buffer (default: clean lines, as in a decode "
+                        "step) or zero it (do_bench's: dirty lines written back during the timed call)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test; runs on CPU too)")
     p.add_argument("--mma-sweep", action="store_true",
                    help="also time the nvfp4/mma layer over MMA_CANDIDATES (tile, split-K, reduction, cache-hint variants)")
@@ -282,7 +285,7 @@ EAGER_ONLY = {"nvfp4/dequant"}
 FLUSHES = ("zero", "read")
 
 
-def bench(fns: list, warmup: int, rep: int, cuda: bool, flush: str = "zero") -> float:
+def bench(fns: list, warmup: int, rep: int, cuda: bool, flush: str = "read") -> float:
     """Median microseconds of one call, rotating through `fns` (one per weight/input set); L2 flushed before each
     timed call (`flush`, FLUSHES)."""
     state = {"i": 0}
@@ -463,7 +466,8 @@ def sweep(shape, sets, B, args, cuda, device) -> dict:
                     if not err <= TOL:
                         timings.append((cfg.__dict__, f"wrong (rel err {err:.2e})"))
                         continue
-                    us = bench([lambda i=i: run(cfg, i) for i in range(len(cases))], args.warmup, args.rep, cuda)
+                    us = bench([lambda i=i: run(cfg, i) for i in range(len(cases))], args.warmup, args.rep, cuda,
+                               args.flush)
                     timings.append((cfg.__dict__, us))
                 except Exception as e:  # e.g. out of shared memory
                     timings.append((cfg.__dict__, f"failed: {type(e).__name__}: {str(e)[:120]}"))
@@ -724,7 +728,8 @@ def run(args) -> int:
                "expert_bytes": hit * expert_bytes(sets[0][("nvfp4", "w13")], sets[0][("nvfp4", "w2")])
                if ("nvfp4", "w13") in sets[0] else 0,
                "timing": ("eager" if args.no_graph else "CUDA-graph replay")
-               + (", L2 flushed by reading 256 MB (--flush read)" if args.flush == "read" else "")}
+               + (", L2 flushed by reading 256 MB (--flush read)" if args.flush == "read"
+                  else ", L2 flushed by zeroing 256 MB (--flush zero)")}
         refs = {}  # one reference per (set, format, activations), shared by the variants
         for v in variants:
             fmt, fn = VARIANTS[v]
