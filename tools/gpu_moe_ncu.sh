@@ -2,6 +2,8 @@
 # Nsight Compute of the NVFP4 MMA kernel's gate_up and down launches (issue #13, round 7): speed of light, occupancy,
 # launch, scheduler and warp-state statistics (stall reasons), memory workload, at BS (default 64,128,256).
 # One device call (timeout_s ~300): LINRNN_COMMIT=<sha> bash tools/gpu_moe_ncu.sh  -> $OUT/moe_ncu/ncu.txt, summary.txt
+# MODE=source: the warp-state samples per SASS instruction instead (SourceCounters; BS default 128,256)
+#   -> $OUT/moe_ncu/source.csv (every profiled launch; tools/moe_ncu_source.py reads it)
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}
 R=$OUT/moe_ncu
@@ -9,6 +11,15 @@ mkdir -p $R
 echo "commit ${LINRNN_COMMIT:-?}"
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -z "$NCU" ] && { echo "no ncu"; exit 1; }
+if [ "${MODE:-}" = source ]; then  # per-SASS-instruction warp-state samples (which load each stalled warp waits on)
+  timeout ${NCU_TIMEOUT:-240} $NCU --clock-control none --profile-from-start off -k regex:_nvfp4_mma_kernel \
+    --section SourceCounters --section WarpStateStats -f -o $R/source \
+    python3 tools/moe_ncu_probe.py "${BS:-128,256}" "${KW:-{}}" > $R/ncu_source.log 2>&1
+  echo "ncu rc=$?"
+  $NCU -i $R/source.ncu-rep --page source --csv --print-source sass > $R/source.csv 2> $R/source_export.log
+  echo "export rc=$? $(wc -l < $R/source.csv) lines"; head -c 600 $R/source.csv; echo
+  exit 0
+fi
 timeout ${NCU_TIMEOUT:-240} $NCU --clock-control none --profile-from-start off -k regex:_nvfp4_mma_kernel \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
   --section WarpStateStats --section MemoryWorkloadAnalysis \
