@@ -528,6 +528,26 @@ def test_mma_tiles_bitwise_equal(nan_buffers, B):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 31, 64, 128, 256])
+def test_mma_l1_prefetch_bitwise_equal(nan_buffers, B):
+    """The activations prefetched into L1 ahead of their K step (XPF, 2 or 4 steps ahead, either GEMM, 8- and
+    16-token blocks) change no result bit."""
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda", seed=12)
+    x = torch.randn(B, H, device="cuda").bfloat16()
+    topw, ids = naive.route(x.float() @ (torch.randn(E, H, device="cuda") * 0.02).t(), k, True)
+    topw = topw.bfloat16()
+    y0 = _check(x, topw, ids, w13, w2)
+    for tokens in (8, 16):
+        base = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens)
+        for xpf in (2, 4):
+            y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, xpf=xpf,
+                                        down_tile={"units": 1, "maxnreg": 0, "xpf": xpf})
+            assert torch.equal(y, base), (tokens, xpf)
+    assert torch.equal(experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed), y0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 64, 256])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_mma_bitwise_reproducible_and_graphs(B, persistent):
