@@ -4,7 +4,7 @@ the global load that last wrote a register the stalled instruction reads (search
 the K loop's back edge), classified by the load's kind:
   weight codes  LDG.E.EF.128 (the evict-first 16-byte code loads)    weight scales  LDG.E.EF (4-byte scale words)
   activations   LDG.E.128 (16-byte loads of x / h)                   other          ids, expert ids, row scales, ...
-    python tools/moe_ncu_source.py source.csv [labels, comma-separated, one per launch]"""
+    python tools/moe_ncu_source.py source.csv[.gz] [labels, comma-separated, one per launch]"""
 import csv
 import io
 import re
@@ -16,7 +16,10 @@ KINDS = (("weight codes", r"LDG\.E\.EF\.128"), ("weight scales", r"LDG\.E\.EF\b"
 
 def kernels(path: str) -> list[list[dict]]:
     out = []
-    for part in open(path).read().split('"Kernel Name","_nvfp4_mma_kernel",\n')[1:]:
+    import gzip
+
+    text = (gzip.open(path, "rt") if path.endswith(".gz") else open(path)).read()
+    for part in text.split('"Kernel Name","_nvfp4_mma_kernel",\n')[1:]:
         rows = list(csv.reader(io.StringIO(part)))
         hdr = rows[0]
         out.append([dict(zip(hdr, r)) for r in rows[1:] if len(r) == len(hdr)])
