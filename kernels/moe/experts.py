@@ -408,8 +408,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     same results).
     pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
     first. down_tile: the down GEMM's own units / maxnreg / mrep / xpf (mma_down_tile where not given; {}: the common
-    tile). xpf: the prefetching K loops prefetch the activations into L1 this many K steps ahead (0: none; bitwise
-    the same results).
+    tile). xpf: the prefetching K loops load the activations one K step ahead too (bitwise the same results).
     (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
     benchmarks/results/kernels/moe/round6_small/.)
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16

@@ -202,14 +202,6 @@ if HAVE_GLUON:
         return _decode_mma_x(xb, q, sw, sel, acc, a_op, b_op, DECODE, CONSTRAINTS, WARPS, UNITS, TOK)
 
     @gluon.jit
-    def _l1_prefetch(base, offs, ok):
-        """prefetch.global.L1 of the line at base + each of offs (one per lane and unit) where the scalar ok holds:
-        the activations of a later K step, so its loads hit L1 (XPF of _gemm_tile_body; holds no registers)."""
-        okv = (offs * 0).to(gl.int32) + ok.to(gl.int32)
-        gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }",
-                                  "=r,l,r", [base + offs, okv], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _load_x(x_base, x_off, x_k, k0, K, EVEN_K: gl.constexpr):
         """A K step's activations (the B operand, as loaded): x_off [1, u, t, 16, n], x_k their k in the step."""
         if EVEN_K:
@@ -350,15 +342,6 @@ if HAVE_GLUON:
         a_rows = gl.where(ids_b < num_rows, ids_b // A_ROW_DIV, 0).to(gl.int64)
         x_k = xu[None, :, None, None, None] * 64 + xt[None, None, :, None, None] * 16 + xp[None, None, None, :, None]
         x_off = a_rows[None, None, None, None, :] * stride_x + x_k
-        if XPF:  # [1, u, t, n]: one address per lane and unit, the first of its 16 k (its 32 bytes' line)
-            xl1: gl.constexpr = gl.SliceLayout(3, xl)
-            pn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, xl1))))
-            pu = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, xl1))))
-            pt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, xl1))))
-            p_ids = gl.load(ids_ptr + pn)
-            p_rows = gl.where(p_ids < num_rows, p_ids // A_ROW_DIV, 0).to(gl.int64)
-            xpf_off = (p_rows[None, None, None, :] * stride_x + pu[None, :, None, None] * 64
-                       + pt[None, None, :, None] * 16)
 
         units_per_split = k_units // SPLIT_K
         u_lo = pid_k * units_per_split
@@ -397,21 +380,26 @@ if HAVE_GLUON:
                 sa = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
                 if WAIT_PREV:
                     gdc_wait()
-                if XPF:  # the activations of the first XPF - 1 steps after this one into L1
-                    for i in gl.static_range(1, XPF):
-                        _l1_prefetch(x_base + i * BK, xpf_off, u_lo * 64 + i * BK < k_end)
+                if XPF:  # the activations one K step ahead too, in registers (the last pass re-reads its own)
+                    xa = _load_x(x_base, x_off, x_k, u_lo * 64, K, EVEN_K)
                 for k0 in range(u_lo * 64, k_end, 2 * BK):
-                    if XPF:  # and each iteration the activations XPF and XPF + 1 steps ahead
-                        _l1_prefetch(x_base + XPF * BK, xpf_off, k0 + XPF * BK < k_end)
-                        _l1_prefetch(x_base + (XPF + 1) * BK, xpf_off, k0 + (XPF + 1) * BK < k_end)
                     qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
-                    acc = _decode_mma(qa, sa, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
-                                      CONSTRAINTS, MT, UNITS, TOK)
+                    if XPF:
+                        xb = _load_x(x_base + BK, x_off, x_k, k0 + BK, K, EVEN_K)
+                        acc = _decode_mma_x(xa, qa, sa, sel, acc, a_op, b_op, DECODE, CONSTRAINTS, MT, UNITS, TOK)
+                    else:
+                        acc = _decode_mma(qa, sa, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
+                                          CONSTRAINTS, MT, UNITS, TOK)
                     qa = load_weights(c_base + 2 * UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sa = load_weights(s_base + 2 * UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
-                    acc = _decode_mma(qb, sb, sel, x_base + BK, x_off, x_k, k0 + BK, K, acc, a_op, b_op, EVEN_K,
-                                      DECODE, CONSTRAINTS, MT, UNITS, TOK)
+                    if XPF:
+                        more = (k0 + 2 * BK < k_end).to(gl.int32)
+                        xa = _load_x(x_base + 2 * BK * more, x_off, x_k, k0 + 2 * BK * more, K, EVEN_K)
+                        acc = _decode_mma_x(xb, qb, sb, sel, acc, a_op, b_op, DECODE, CONSTRAINTS, MT, UNITS, TOK)
+                    else:
+                        acc = _decode_mma(qb, sb, sel, x_base + BK, x_off, x_k, k0 + BK, K, acc, a_op, b_op, EVEN_K,
+                                          DECODE, CONSTRAINTS, MT, UNITS, TOK)
                     c_base += 2 * UNITS * 128
                     s_base += 2 * UNITS * 16
                     x_base += 2 * BK
@@ -669,7 +657,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     the gate_up kernel right behind the router that wrote its alignment. adaptive (tokens = 16): blocks
     with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units).
     mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide).
-    xpf: the prefetching loop prefetches the activations into L1 this many K steps ahead (XPF; 0: none)."""
+    xpf: the prefetching loop loads the activations one K step ahead too, in registers (XPF)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
