@@ -526,12 +526,6 @@ MMA_CANDIDATES = {
     "down 4 row groups": {"groups": (1, 4)},
     # the down GEMM's own tile (K = 512: 8 units, CTAs 4x shorter than gate_up's)
     "down tile off": {"down_tile": {}},  # the common tile for both GEMMs (before round 7)
-    # round 8: the activations loaded one K step ahead in registers (nvfp4_mma XPF): Nsight's per-instruction samples
-    # charge 60 % of the down GEMM's long-scoreboard stalls at B = 128 to its activation loads (round8/)
-    "down xpf": {"down_tile": {"units": 1, "maxnreg": 40, "xpf": 1}},
-    "down xpf budget 48": {"down_tile": {"units": 1, "maxnreg": 48, "xpf": 1}},
-    "both xpf": {"xpf": 1, "down_tile": {"units": 1, "maxnreg": 40, "xpf": 1}},
-    "16-token both xpf": {"xpf": 1, "down_tile": {"xpf": 1}},  # B >= 256 (the common tile for both GEMMs)
     # round 8, B = 1: gate_up split deeper so that every split's codes are in flight at once (1-2 K steps per CTA)
     "gate_up split 8 4 units budget 64": {"splits": (8, 2), "units": 4, "maxnreg": 64,
                                           "down_tile": {"units": 1, "maxnreg": 80}},

@@ -33,9 +33,11 @@ Two tile options, both off by default (experts.MMA_ADAPTIVE_16, experts.MMA_TILE
 
 `launch_persistent` runs both GEMMs in one persistent launch (work items from an integer counter, down
 tiles waiting on their block's gate_up tiles); measured slower than the two launches on the H200 at
-most batch sizes (results/kernels/moe/MMA.md), so not the default. A persistent grid per GEMM (CTAs striding over
-the tiles, each loading its next tile's first codes under its current tile's last K step and epilogue) was slower
-still at B = 32-128 (+3 to +18 us per layer) and equal at 256: results/kernels/moe/round8/, removed.
+most batch sizes (results/kernels/moe/MMA.md), so not the default. Round 8 (results/kernels/moe/round8/) measured and
+removed three more: a persistent grid per GEMM (CTAs striding over the tiles, the next tile's first codes loaded under
+the current tile's tail; +3 to +18 us per layer at B = 32-128); the activations one K step ahead, in registers (equal
+at best) or prefetched into L1 (+20 to +50 us), although Nsight charges 60 % of the down GEMM's long-scoreboard stalls
+at B = 128 to its activation loads.
 
 Register budget (maxnreg, per batch in experts.MMA_TILES): left to itself, ptxas compiles the default 1-unit loop to
 44 registers (round 2's: 52) by issuing each activation load next to its MMAs and the next step's code loads behind the
@@ -198,21 +200,10 @@ if HAVE_GLUON:
         regrouping of both into the MMA operand layouts (asserted trivial: no data movement), MMA.
         Activations: x_off [1, u, t, 16, n] (x_k: their k in the step), a lane's 16 consecutive k of one token
         (two 16-byte loads), each load two MMAs' ready B register pairs (the packed codes' k order, nvfp4_layout)."""
-        xb = _load_x(x_base, x_off, x_k, k0, K, EVEN_K)
-        return _decode_mma_x(xb, q, sw, sel, acc, a_op, b_op, DECODE, CONSTRAINTS, WARPS, UNITS, TOK)
-
-    @gluon.jit
-    def _load_x(x_base, x_off, x_k, k0, K, EVEN_K: gl.constexpr):
-        """A K step's activations (the B operand, as loaded): x_off [1, u, t, 16, n], x_k their k in the step."""
         if EVEN_K:
-            return gl.load(x_base + x_off)
+            xb = gl.load(x_base + x_off)
         else:
-            return gl.load(x_base + x_off, mask=k0 + x_k < K, other=0.0)
-
-    @gluon.jit
-    def _decode_mma_x(xb, q, sw, sel, acc, a_op: gl.constexpr, b_op: gl.constexpr, DECODE: gl.constexpr,
-                      CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr, TOK: gl.constexpr):
-        """_decode_mma on activations xb already loaded (_load_x)."""
+            xb = gl.load(x_base + x_off, mask=k0 + x_k < K, other=0.0)
         # k = 16 t + 4 j + 2 cb + e -> the operand's k order (cb, t, j, e), the same as the weights' below
         xb = gl.reshape(xb, [UNITS, 4, 4, 2, 2, TOK])  # [u, t, j, cb, e, n]
         xb = gl.reshape(gl.permute(xb, [0, 3, 1, 2, 4, 5]), [64 * UNITS, TOK])
@@ -235,7 +226,7 @@ if HAVE_GLUON:
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
             ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr, MREP: gl.constexpr,
-            WAIT_FIRST: gl.constexpr = False, XPF: gl.constexpr = 0):
+            WAIT_FIRST: gl.constexpr = False):
         if WAIT_FIRST:  # PDL, launched right behind the kernel that wrote the alignment: nothing to load before it
             gdc_wait()
         if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output;
@@ -253,8 +244,7 @@ if HAVE_GLUON:
                    sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
                    num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                    A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP,
-                   XPF)
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP)
         if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
             gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
@@ -268,7 +258,7 @@ if HAVE_GLUON:
                    GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
                    WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False,
                    ADAPT: gl.constexpr = False, UNITS8: gl.constexpr = 1, PREFETCH8: gl.constexpr = False,
-                   MREP: gl.constexpr = 1, XPF: gl.constexpr = 0):
+                   MREP: gl.constexpr = 1):
         """Row tile pid_n (GROUPS groups of 16 * WARPS * MREP rows) x K split pid_k of expert block pid_m (TOK slots of
         sorted_ids); SIGNAL: count the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent
         kernel's down tiles wait on it). ADAPT (TOK = 16): a block whose slots 8..15 are all padding (an expert
@@ -286,20 +276,20 @@ if HAVE_GLUON:
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE,
                                     CONSTRAINTS, GAIN, 16, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV, MREP, XPF)
+                                    WAIT_PREV, MREP)
                 else:
                     _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                     rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h,
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS8, WARPS, EVEN_K,
                                     DECODE, CONSTRAINTS, GAIN, 8, GROUPS, PREFETCH8, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV, MREP, XPF)
+                                    WAIT_PREV, MREP)
             else:
                 _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                 rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr,
                                 done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                                 A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS,
-                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, MREP, XPF)
+                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, MREP)
 
     @gluon.jit
     def _gemm_tile_body(expert, pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
@@ -309,8 +299,7 @@ if HAVE_GLUON:
                         SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                         DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                         GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, MREP: gl.constexpr,
-                        XPF: gl.constexpr = 0):
+                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, MREP: gl.constexpr):
         """ids_ptr: the block's TOK token slots in sorted_ids. MREP: 16-row tiles per warp (the MMA layout repeats
         along M in registers: row tile MREP * WARPS of the CTA is warp w's second); every activation load feeds MREP
         tiles' MMAs. WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
@@ -380,26 +369,15 @@ if HAVE_GLUON:
                 sa = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
                 if WAIT_PREV:
                     gdc_wait()
-                if XPF:  # the activations one K step ahead too, in registers (the last pass re-reads its own)
-                    xa = _load_x(x_base, x_off, x_k, u_lo * 64, K, EVEN_K)
                 for k0 in range(u_lo * 64, k_end, 2 * BK):
                     qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
-                    if XPF:
-                        xb = _load_x(x_base + BK, x_off, x_k, k0 + BK, K, EVEN_K)
-                        acc = _decode_mma_x(xa, qa, sa, sel, acc, a_op, b_op, DECODE, CONSTRAINTS, MT, UNITS, TOK)
-                    else:
-                        acc = _decode_mma(qa, sa, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
-                                          CONSTRAINTS, MT, UNITS, TOK)
+                    acc = _decode_mma(qa, sa, sel, x_base, x_off, x_k, k0, K, acc, a_op, b_op, EVEN_K, DECODE,
+                                      CONSTRAINTS, MT, UNITS, TOK)
                     qa = load_weights(c_base + 2 * UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sa = load_weights(s_base + 2 * UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
-                    if XPF:
-                        more = (k0 + 2 * BK < k_end).to(gl.int32)
-                        xa = _load_x(x_base + 2 * BK * more, x_off, x_k, k0 + 2 * BK * more, K, EVEN_K)
-                        acc = _decode_mma_x(xb, qb, sb, sel, acc, a_op, b_op, DECODE, CONSTRAINTS, MT, UNITS, TOK)
-                    else:
-                        acc = _decode_mma(qb, sb, sel, x_base + BK, x_off, x_k, k0 + BK, K, acc, a_op, b_op, EVEN_K,
-                                          DECODE, CONSTRAINTS, MT, UNITS, TOK)
+                    acc = _decode_mma(qb, sb, sel, x_base + BK, x_off, x_k, k0 + BK, K, acc, a_op, b_op, EVEN_K,
+                                      DECODE, CONSTRAINTS, MT, UNITS, TOK)
                     c_base += 2 * UNITS * 128
                     s_base += 2 * UNITS * 16
                     x_base += 2 * BK
@@ -644,7 +622,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
            pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None, mrep: int = 1,
-           pdl_wait_first: bool = False, xpf: int = 0):
+           pdl_wait_first: bool = False):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -656,8 +634,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     pdl_wait_first: launched with PDL, waiting for the previous kernel before anything else (then pdl_trigger):
     the gate_up kernel right behind the router that wrote its alignment. adaptive (tokens = 16): blocks
     with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units).
-    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide).
-    xpf: the prefetching loop loads the activations one K step ahead too, in registers (XPF)."""
+    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -692,7 +669,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
         ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8, MREP=mrep,
-        WAIT_FIRST=pdl_wait_first, XPF=xpf if prefetch else 0, num_warps=warps, maxnreg=maxnreg,
+        WAIT_FIRST=pdl_wait_first, num_warps=warps, maxnreg=maxnreg,
         **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
 
 
@@ -755,8 +732,8 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
                     maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
                     adaptive: bool = False, units8: int | None = None, prefetch8: bool | None = None,
-                    mrep: int = 1, pdl_wait_first: bool = False, xpf: int = 0):
-    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive, xpf as in launch); returns the
+                    mrep: int = 1, pdl_wait_first: bool = False):
+    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch); returns the
     CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
@@ -769,8 +746,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
                   WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16, UNITS8=units8 or units,
-                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first,
-                  XPF=xpf if prefetch else 0)
+                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -820,7 +796,7 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
                  tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
                  weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None, adaptive: bool = False,
-                 units8: int | None = None, mrep: int = 1, xpf: int = 0) -> dict:
+                 units8: int | None = None, mrep: int = 1) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 * mrep rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -830,11 +806,10 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
                                  tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep,
-                                 xpf=xpf)
+                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep, xpf=xpf)
+                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
     weights = 16 * mrep * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     smem = ("STS", "LDS", "LDSM", "BAR", "STSM")
     if adaptive and tokens == 16:
