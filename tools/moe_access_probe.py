@@ -6,13 +6,35 @@ other (nvfp4_layout: [expert, tile, unit, lane, 4 words]), so per K step a CTA r
 fixed number of CTAs per SM (a persistent grid striding over the 4-tile groups), in three orders:
   tile-major   the kernel's: warp w streams its own tile, 512 B per step (UNITS = 1) or 1 KB (UNITS = 2)
   unit-major   the same bytes laid out [group, unit, warp, lane]: a CTA's 4 warps read 2 KB contiguous per step
-and prints GB/s against a torch copy of the same buffer. Needs a CUDA GPU: python tools/moe_access_probe.py"""
+and prints GB/s against a torch copy of the same buffer; then the one-tile grid's CTAs (one per 4-tile group and
+chunk of K units, no persistent loop): does a short CTA (down_proj's 8 units) cost bandwidth by itself?
+Needs a CUDA GPU: python tools/moe_access_probe.py [out.json]"""
 import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _probe_tiles(src, out, U: tl.constexpr, CHUNK: tl.constexpr):
+    """One CTA per (4-tile group, CHUNK units): the one-tile grid's short CTAs (down_proj: K = 512 is 8 units), tile-major
+    order, 512 B per warp per step, two steps per pass; the hardware schedules the CTAs (no persistent loop)."""
+    t = tl.arange(0, 4 * 32 * 4)
+    e = t % 4
+    lane = (t // 4) % 32
+    w = t // 128
+    offs = tl.max_contiguous(tl.multiple_of(w * U * 128 + lane * 4 + e, 4), 4)
+    g = tl.program_id(0) // (U // CHUNK)
+    c = tl.program_id(0) % (U // CHUNK)
+    base = src + g * (4 * U * 128) + c * CHUNK * 128
+    acc = tl.zeros([4 * 32 * 4], tl.int32)
+    for s in range(0, CHUNK, 2):
+        a = tl.load(base + s * 128 + offs, eviction_policy="evict_first")
+        b = tl.load(base + (s + 1) * 128 + offs, eviction_policy="evict_first")
+        acc ^= a ^ b
+    tl.store(out + tl.program_id(0) * 512 + t, acc)
 
 
 @triton.jit
@@ -77,6 +99,13 @@ def main() -> None:
                              "us": round(s * 1e6, 1), "gbs": round(nbytes / s / 1e9),
                              "pct_copy": round(100 * nbytes / s / 1e9 / copy_gbs, 1)})
                 print(json.dumps(rows[-1]), flush=True)
+    for chunk in (32, 16, 8, 4):  # one CTA per (group, chunk): 32 = gate_up's whole K, 8 = down_proj's
+        out = torch.empty(n_groups * (U // chunk) * 512, dtype=torch.int32, device=dev)
+        fn = lambda: _probe_tiles[(n_groups * (U // chunk),)](src, out, U=U, CHUNK=chunk, num_warps=4)
+        s = timed(fn)
+        rows.append({"one_cta_per_tile_group_units": chunk, "us": round(s * 1e6, 1), "gbs": round(nbytes / s / 1e9),
+                     "pct_copy": round(100 * nbytes / s / 1e9 / copy_gbs, 1)})
+        print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"copy_gbs": round(copy_gbs), "bytes": nbytes, "device": torch.cuda.get_device_name(dev)}))
     json.dump({"copy_gbs": copy_gbs, "rows": rows}, open(sys.argv[1], "w") if len(sys.argv) > 1 else sys.stdout)
 
