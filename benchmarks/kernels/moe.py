@@ -526,12 +526,6 @@ MMA_CANDIDATES = {
     "down 4 row groups": {"groups": (1, 4)},
     # the down GEMM's own tile (K = 512: 8 units, CTAs 4x shorter than gate_up's)
     "down tile off": {"down_tile": {}},  # the common tile for both GEMMs (before round 7)
-    # round 8: the epilogue's row scales, token ids and routing weights loaded before the K loop (nvfp4_mma EARLY_EPI):
-    # a short CTA (down_proj: 8 units) pays every serial round trip of its prologue and epilogue (round8/)
-    "down early epilogue b40": {"down_tile": {"units": 1, "maxnreg": 40, "early_epilogue": True}},
-    "down early epilogue b48": {"down_tile": {"units": 1, "maxnreg": 48, "early_epilogue": True}},
-    "both early epilogue": {"early_epilogue": True, "down_tile": {"units": 1, "maxnreg": 48, "early_epilogue": True}},
-    "16-token both early epilogue": {"early_epilogue": True, "down_tile": {"early_epilogue": True}},  # B >= 256
     # round 8, B = 1: gate_up split deeper so that every split's codes are in flight at once (1-2 K steps per CTA)
     "gate_up split 8 4 units budget 64": {"splits": (8, 2), "units": 4, "maxnreg": 64,
                                           "down_tile": {"units": 1, "maxnreg": 80}},

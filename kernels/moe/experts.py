@@ -391,8 +391,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
                     per_sm: int = nvfp4_mma.DEFAULT_PER_SM, weight_hint: str = nvfp4_mma.DEFAULT_WEIGHT_HINT,
                     n_fastest: bool | None = None, persistent: bool = False, pdl: bool | None = None,
                     adaptive: bool = MMA_ADAPTIVE_16, units8: int | None = MMA_ADAPTIVE_UNITS8, mrep: int | None = None,
-                    pdl_gate_up: bool | None = None, down_tile: dict | None = None,
-                    early_epilogue: bool = False):
+                    pdl_gate_up: bool | None = None, down_tile: dict | None = None):
     """The decode path on Hopper: NVFP4 experts repacked as MMA fragments (nvfp4_layout.PackedNvfp4,
     w13 gated), 8-token expert blocks, split-K so small batches fill the SMs (nvfp4_mma.py; about
     `per_sm` programs per SM); gate_up's split-K partials reduced by its own last split (fused_reduce)
@@ -408,8 +407,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     mrep: 16-row tiles per warp (each activation load feeds mrep row tiles; mma_tile where not given; bitwise the
     same results).
     pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
-    first. down_tile: the down GEMM's own units / maxnreg / mrep / early_epilogue (mma_down_tile where not given; {}: the
-    common tile). early_epilogue: the epilogue's row scales, token ids and routing weights load before the K loop.
+    first. down_tile: the down GEMM's own units / maxnreg / mrep (mma_down_tile where not given; {}: the common tile).
     (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
     benchmarks/results/kernels/moe/round6_small/.)
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16
@@ -435,8 +433,7 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     s13, s2 = splits
     common = dict(num_rows=P, num_m_blocks=blocks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   tokens=tokens, warps=warps, units=units, prefetch=prefetch, weight_hint=weight_hint)
-    cap = {"maxnreg": maxnreg or None, "adaptive": adaptive, "units8": units8, "mrep": mrep,
-           "early_epilogue": early_epilogue}
+    cap = {"maxnreg": maxnreg or None, "adaptive": adaptive, "units8": units8, "mrep": mrep}
     order = [n_fastest if n_fastest is not None else (s == 1 and P <= N_FASTEST_MAX_MEAN_PAIRS * E) for s in splits]
     h = gg.alloc(P, inter, dtype=x.dtype, device=x.device)
     if persistent:  # both GEMMs in one launch

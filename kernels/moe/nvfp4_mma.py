@@ -37,7 +37,7 @@ most batch sizes (results/kernels/moe/MMA.md), so not the default. Round 8 (resu
 removed three more: a persistent grid per GEMM (CTAs striding over the tiles, the next tile's first codes loaded under
 the current tile's tail; +3 to +18 us per layer at B = 32-128); the activations one K step ahead, in registers (equal
 at best) or prefetched into L1 (+20 to +50 us), although Nsight charges 60 % of the down GEMM's long-scoreboard stalls
-at B = 128 to its activation loads.
+at B = 128 to its activation loads; the epilogue's loads hoisted before the K loop (-2.5 us at B = 256 only, not kept).
 
 Register budget (maxnreg, per batch in experts.MMA_TILES): left to itself, ptxas compiles the default 1-unit loop to
 44 registers (round 2's: 52) by issuing each activation load next to its MMAs and the next step's code loads behind the
@@ -226,7 +226,7 @@ if HAVE_GLUON:
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
             ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr, MREP: gl.constexpr,
-            WAIT_FIRST: gl.constexpr = False, EARLY_EPI: gl.constexpr = False):
+            WAIT_FIRST: gl.constexpr = False):
         if WAIT_FIRST:  # PDL, launched right behind the kernel that wrote the alignment: nothing to load before it
             gdc_wait()
         if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output;
@@ -244,8 +244,7 @@ if HAVE_GLUON:
                    sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
                    num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                    A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP,
-                   EARLY_EPI)
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP)
         if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
             gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
@@ -259,7 +258,7 @@ if HAVE_GLUON:
                    GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
                    WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False,
                    ADAPT: gl.constexpr = False, UNITS8: gl.constexpr = 1, PREFETCH8: gl.constexpr = False,
-                   MREP: gl.constexpr = 1, EARLY_EPI: gl.constexpr = False):
+                   MREP: gl.constexpr = 1):
         """Row tile pid_n (GROUPS groups of 16 * WARPS * MREP rows) x K split pid_k of expert block pid_m (TOK slots of
         sorted_ids); SIGNAL: count the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent
         kernel's down tiles wait on it). ADAPT (TOK = 16): a block whose slots 8..15 are all padding (an expert
@@ -277,20 +276,20 @@ if HAVE_GLUON:
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE,
                                     CONSTRAINTS, GAIN, 16, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV, MREP, EARLY_EPI)
+                                    WAIT_PREV, MREP)
                 else:
                     _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                     rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h,
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS8, WARPS, EVEN_K,
                                     DECODE, CONSTRAINTS, GAIN, 8, GROUPS, PREFETCH8, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV, MREP, EARLY_EPI)
+                                    WAIT_PREV, MREP)
             else:
                 _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                 rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr,
                                 done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                                 A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS,
-                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, MREP, EARLY_EPI)
+                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, MREP)
 
     @gluon.jit
     def _gemm_tile_body(expert, pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
@@ -300,8 +299,7 @@ if HAVE_GLUON:
                         SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                         DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                         GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, MREP: gl.constexpr,
-                        EARLY_EPI: gl.constexpr = False):
+                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, MREP: gl.constexpr):
         """ids_ptr: the block's TOK token slots in sorted_ids. MREP: 16-row tiles per warp (the MMA layout repeats
         along M in registers: row tile MREP * WARPS of the CTA is warp w's second); every activation load feeds MREP
         tiles' MMAs. WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
@@ -364,12 +362,6 @@ if HAVE_GLUON:
 
             acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
             k_end = (u_lo + units_per_split) * 64
-            if EARLY_EPI:  # the epilogue's row scales, token ids and routing weights loaded now, not after the K loop
-                e_rows, e_ok = _tile_rows(tile0, N, GATED, ROWS, mma)
-                e_rs = gl.load(rs_ptr + expert * stride_rse + e_rows, mask=e_ok, other=0.0)
-                e_ids = gl.load(ids_ptr + gl.arange(0, TOK, layout=gl.SliceLayout(0, mma)))
-                if ROUTE_WEIGHTED:
-                    e_rw = gl.load(route_w_ptr + e_ids, mask=e_ids < num_rows, other=0.0).to(gl.float32)
             if PREFETCH:
                 # two K steps per iteration, ping-pong: the codes and scales of the next step are in
                 # flight while this one is decoded (the last loads read pack()'s slack, unused)
@@ -415,19 +407,12 @@ if HAVE_GLUON:
             else:
                 w_row = tile * 16 + r8 * 8 + g
                 row_ok = w_row < N
-            if EARLY_EPI:
-                acc = acc * (e_rs * GAIN)[:, None]
-                ids = e_ids
-                tok_ok = ids < num_rows
-                if ROUTE_WEIGHTED:
-                    acc = acc * e_rw[None, :]
-            else:
-                rs = gl.load(rs_ptr + expert * stride_rse + w_row, mask=row_ok, other=0.0)
-                acc = acc * (rs * GAIN)[:, None]
-                ids = gl.load(ids_ptr + offs_t)
-                tok_ok = ids < num_rows
-                if ROUTE_WEIGHTED:
-                    acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
+            rs = gl.load(rs_ptr + expert * stride_rse + w_row, mask=row_ok, other=0.0)
+            acc = acc * (rs * GAIN)[:, None]
+            ids = gl.load(ids_ptr + offs_t)
+            tok_ok = ids < num_rows
+            if ROUTE_WEIGHTED:
+                acc = acc * gl.load(route_w_ptr + ids, mask=tok_ok, other=0.0).to(gl.float32)[None, :]
             rows_out = ids.to(gl.int64)[None, :] * stride_om
             if GATED and SPLIT_K == 1:
                 _silu_store(acc, out_ptr, stride_om, ids_ptr, tile0, N, num_rows, MT, TOK)
@@ -519,20 +504,6 @@ if HAVE_GLUON:
                 gl.store(done_ptr + b0 + offs, gl.zeros([32 * WARPS], gl.int32, layout=zl),
                          mask=b0 + offs < num_m_blocks)
             gl.store(sync_ptr + offs, gl.zeros([32 * WARPS], gl.int32, layout=zl), mask=offs < 2)
-
-    @gluon.jit
-    def _tile_rows(tile0, N, GATED: gl.constexpr, ROWS: gl.constexpr, mma: gl.constexpr):
-        """(weight row, valid) of each accumulator row of the CTA's row tiles from tile0 (the epilogue's mapping)."""
-        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-        tile = tile0 + offs_r // 16
-        r8 = (offs_r // 8) % 2
-        g = offs_r % 8
-        if GATED:
-            col = tile * 8 + g
-            return r8 * (N // 2) + col, col < N // 2
-        else:
-            w_row = tile * 16 + r8 * 8 + g
-            return w_row, w_row < N
 
     @gluon.jit
     def _signal(counter):
@@ -651,7 +622,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
            pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None, mrep: int = 1,
-           pdl_wait_first: bool = False, early_epilogue: bool = False):
+           pdl_wait_first: bool = False):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -663,8 +634,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     pdl_wait_first: launched with PDL, waiting for the previous kernel before anything else (then pdl_trigger):
     the gate_up kernel right behind the router that wrote its alignment. adaptive (tokens = 16): blocks
     with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units).
-    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide).
-    early_epilogue: the epilogue's row scales, token ids and routing weights load before the K loop (EARLY_EPI)."""
+    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -699,7 +669,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
         ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8, MREP=mrep,
-        WAIT_FIRST=pdl_wait_first, EARLY_EPI=early_epilogue, num_warps=warps, maxnreg=maxnreg,
+        WAIT_FIRST=pdl_wait_first, num_warps=warps, maxnreg=maxnreg,
         **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
 
 
@@ -762,9 +732,9 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
                     maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
                     adaptive: bool = False, units8: int | None = None, prefetch8: bool | None = None,
-                    mrep: int = 1, pdl_wait_first: bool = False, early_epilogue: bool = False):
-    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive, early_epilogue as in launch);
-    returns the CompiledKernel."""
+                    mrep: int = 1, pdl_wait_first: bool = False):
+    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch); returns the
+    CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
            "out_ptr": "*bf16" if (gated and split == 1) else "*fp32", "stride_os": "i32", "stride_om": "i32",
@@ -776,8 +746,7 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
                   WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16, UNITS8=units8 or units,
-                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first,
-                  EARLY_EPI=early_epilogue)
+                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -827,7 +796,7 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
                  tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
                  weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None, adaptive: bool = False,
-                 units8: int | None = None, mrep: int = 1, early_epilogue: bool = False) -> dict:
+                 units8: int | None = None, mrep: int = 1) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 * mrep rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -837,12 +806,10 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
                                  tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep,
-                                 early_epilogue=early_epilogue)
+                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep,
-                        early_epilogue=early_epilogue)
+                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
     weights = 16 * mrep * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     smem = ("STS", "LDS", "LDSM", "BAR", "STSM")
     if adaptive and tokens == 16:
