@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+SENTINEL = tl.constexpr(0x7FFFFFFF)  # an XOR result the stores wait for: none are written, the loads stay
+
 
 @triton.jit
 def _probe_tiles(src, out, U: tl.constexpr, CHUNK: tl.constexpr):
@@ -34,7 +36,7 @@ def _probe_tiles(src, out, U: tl.constexpr, CHUNK: tl.constexpr):
         a = tl.load(base + s * 128 + offs, eviction_policy="evict_first")
         b = tl.load(base + (s + 1) * 128 + offs, eviction_policy="evict_first")
         acc ^= a ^ b
-    tl.store(out + tl.program_id(0) * 512 + t, acc)
+    tl.store(out + tl.program_id(0) * 512 + t, acc, mask=acc == SENTINEL)  # (almost) never: no write traffic
 
 
 @triton.jit
@@ -59,7 +61,7 @@ def _probe(src, out, n_groups, U: tl.constexpr, UNITS: tl.constexpr, UNIT_MAJOR:
             a = tl.load(base + s * step + offs, eviction_policy="evict_first")
             b = tl.load(base + (s + 1) * step + offs, eviction_policy="evict_first")
             acc ^= a ^ b
-    tl.store(out + tl.program_id(0) * (4 * 32 * 4 * UNITS) + t, acc)
+    tl.store(out + tl.program_id(0) * (4 * 32 * 4 * UNITS) + t, acc, mask=acc == SENTINEL)  # keeps the loads
 
 
 def main() -> None:
