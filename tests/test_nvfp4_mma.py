@@ -528,6 +528,27 @@ def test_mma_tiles_bitwise_equal(nan_buffers, B):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 31, 64, 128, 256])
+def test_mma_smem_activations_bitwise_equal(nan_buffers, B):
+    """The down GEMM's activations staged in shared memory (XSU; 8- and 16-token blocks, split-K or not, register
+    budgets) change no result bit."""
+    E, k, H, I = 256, 8, 2048, 512
+    w13, w2 = _weights(E, H, I, "cuda", seed=14)
+    x = torch.randn(B, H, device="cuda").bfloat16()
+    topw, ids = naive.route(x.float() @ (torch.randn(E, H, device="cuda") * 0.02).t(), k, True)
+    topw = topw.bfloat16()
+    _check(x, topw, ids, w13, w2)
+    for tokens in (8, 16):
+        base = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens)
+        for down in ({"units": 1, "maxnreg": 0, "smem_x": True}, {"units": 1, "maxnreg": 40, "smem_x": True},
+                     {"units": 2, "maxnreg": 0, "smem_x": True}):
+            if tokens == 16 and down["maxnreg"]:
+                continue
+            y = experts.moe_experts_mma(x, topw, ids, w13.packed, w2.packed, tokens=tokens, down_tile=down)
+            assert torch.equal(y, base), (tokens, down)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 64, 256])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_mma_bitwise_reproducible_and_graphs(B, persistent):

@@ -526,6 +526,12 @@ MMA_CANDIDATES = {
     "down 4 row groups": {"groups": (1, 4)},
     # the down GEMM's own tile (K = 512: 8 units, CTAs 4x shorter than gate_up's)
     "down tile off": {"down_tile": {}},  # the common tile for both GEMMs (before round 7)
+    # round 8: the down GEMM's activations staged in shared memory once per CTA (nvfp4_mma XSU; 8 / 16 KB per CTA):
+    # Nsight charges 60 % of its long-scoreboard stalls at B = 128 to the activation loads, which every warp of a CTA
+    # issued from L2 for every K step
+    "down smem x": {"down_tile": {"units": 1, "maxnreg": 40, "smem_x": True}},
+    "down smem x b48": {"down_tile": {"units": 1, "maxnreg": 48, "smem_x": True}},
+    "16-token down smem x": {"down_tile": {"smem_x": True}},  # B >= 256: the common tile (56 registers with it)
     # round 8, B = 1: gate_up split deeper so that every split's codes are in flight at once (1-2 K steps per CTA)
     "gate_up split 8 4 units budget 64": {"splits": (8, 2), "units": 4, "maxnreg": 64,
                                           "down_tile": {"units": 1, "maxnreg": 80}},

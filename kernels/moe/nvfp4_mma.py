@@ -204,6 +204,12 @@ if HAVE_GLUON:
             xb = gl.load(x_base + x_off)
         else:
             xb = gl.load(x_base + x_off, mask=k0 + x_k < K, other=0.0)
+        return _decode_mma_x(xb, q, sw, sel, acc, a_op, b_op, DECODE, CONSTRAINTS, WARPS, UNITS, TOK)
+
+    @gluon.jit
+    def _decode_mma_x(xb, q, sw, sel, acc, a_op: gl.constexpr, b_op: gl.constexpr, DECODE: gl.constexpr,
+                      CONSTRAINTS: gl.constexpr, WARPS: gl.constexpr, UNITS: gl.constexpr, TOK: gl.constexpr):
+        """_decode_mma on activations already in registers (xb [1, u, t, 16, n], as loaded)."""
         # k = 16 t + 4 j + 2 cb + e -> the operand's k order (cb, t, j, e), the same as the weights' below
         xb = gl.reshape(xb, [UNITS, 4, 4, 2, 2, TOK])  # [u, t, j, cb, e, n]
         xb = gl.reshape(gl.permute(xb, [0, 3, 1, 2, 4, 5]), [64 * UNITS, TOK])
@@ -226,7 +232,7 @@ if HAVE_GLUON:
             GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
             WCACHE: gl.constexpr, N_FASTEST: gl.constexpr, TRIGGER_NEXT: gl.constexpr, WAIT_PREV: gl.constexpr,
             ADAPT: gl.constexpr, UNITS8: gl.constexpr, PREFETCH8: gl.constexpr, MREP: gl.constexpr,
-            WAIT_FIRST: gl.constexpr = False):
+            WAIT_FIRST: gl.constexpr = False, XSU: gl.constexpr = 0):
         if WAIT_FIRST:  # PDL, launched right behind the kernel that wrote the alignment: nothing to load before it
             gdc_wait()
         if TRIGGER_NEXT:  # PDL: the next kernel may launch now (it waits for this grid before reading its output;
@@ -244,7 +250,8 @@ if HAVE_GLUON:
                    sorted_ids_ptr, expert_ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr, tick_ptr,
                    num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                    A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS, GAIN,
-                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP)
+                   TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, False, WAIT_PREV, ADAPT, UNITS8, PREFETCH8, MREP,
+                   XSU)
         if WAIT_PREV:  # every CTA waits before it exits (an empty expert block too), so this grid ends after the
             gdc_wait()  # previous one: a kernel that waits for this one may rely on both
 
@@ -258,7 +265,7 @@ if HAVE_GLUON:
                    GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
                    WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr = False,
                    ADAPT: gl.constexpr = False, UNITS8: gl.constexpr = 1, PREFETCH8: gl.constexpr = False,
-                   MREP: gl.constexpr = 1):
+                   MREP: gl.constexpr = 1, XSU: gl.constexpr = 0):
         """Row tile pid_n (GROUPS groups of 16 * WARPS * MREP rows) x K split pid_k of expert block pid_m (TOK slots of
         sorted_ids); SIGNAL: count the tile's finished SiLU(gate) * up rows in done_ptr[pid_m] (the persistent
         kernel's down tiles wait on it). ADAPT (TOK = 16): a block whose slots 8..15 are all padding (an expert
@@ -276,20 +283,20 @@ if HAVE_GLUON:
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE,
                                     CONSTRAINTS, GAIN, 16, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV, MREP)
+                                    WAIT_PREV, MREP, XSU)
                 else:
                     _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                     rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h,
                                     tick_ptr, done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se,
                                     stride_rse, A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS8, WARPS, EVEN_K,
                                     DECODE, CONSTRAINTS, GAIN, 8, GROUPS, PREFETCH8, FUSED_REDUCE, EVICT, WCACHE, SIGNAL,
-                                    WAIT_PREV, MREP)
+                                    WAIT_PREV, MREP, XSU)
             else:
                 _gemm_tile_body(expert.to(gl.int64), pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr,
                                 rs_ptr, out_ptr, stride_os, stride_om, ids_ptr, route_w_ptr, h_ptr, stride_h, tick_ptr,
                                 done_ptr, num_rows, N, K, n_tiles, k_units, stride_ce, stride_se, stride_rse,
                                 A_ROW_DIV, GATED, ROUTE_WEIGHTED, SPLIT_K, UNITS, WARPS, EVEN_K, DECODE, CONSTRAINTS,
-                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, MREP)
+                                GAIN, TOK, GROUPS, PREFETCH, FUSED_REDUCE, EVICT, WCACHE, SIGNAL, WAIT_PREV, MREP, XSU)
 
     @gluon.jit
     def _gemm_tile_body(expert, pid_m, pid_n, pid_k, x_ptr, stride_x, codes_ptr, scales_ptr, rs_ptr,
@@ -299,7 +306,8 @@ if HAVE_GLUON:
                         SPLIT_K: gl.constexpr, UNITS: gl.constexpr, WARPS: gl.constexpr, EVEN_K: gl.constexpr,
                         DECODE: gl.constexpr, CONSTRAINTS: gl.constexpr, GAIN: gl.constexpr, TOK: gl.constexpr,
                         GROUPS: gl.constexpr, PREFETCH: gl.constexpr, FUSED_REDUCE: gl.constexpr, EVICT: gl.constexpr,
-                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, MREP: gl.constexpr):
+                        WCACHE: gl.constexpr, SIGNAL: gl.constexpr, WAIT_PREV: gl.constexpr, MREP: gl.constexpr,
+                        XSU: gl.constexpr = 0):
         """ids_ptr: the block's TOK token slots in sorted_ids. MREP: 16-row tiles per warp (the MMA layout repeats
         along M in registers: row tile MREP * WARPS of the CTA is warp w's second); every activation load feeds MREP
         tiles' MMAs. WAIT_PREV (launched with PDL): the expert id, the token ids and the first K step's weights load before the
@@ -362,7 +370,38 @@ if HAVE_GLUON:
 
             acc = gl.zeros([ROWS, TOK], gl.float32, layout=mma)
             k_end = (u_lo + units_per_split) * 64
-            if PREFETCH:
+            if PREFETCH and XSU > 0:
+                # the split's activations staged in shared memory once per CTA (all warps read the same ones), then
+                # the K loop reads each step's from there: an L2 round trip per CTA instead of one per step
+                qa = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
+                sa = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
+                if WAIT_PREV:
+                    gdc_wait()
+                xsl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[3, 2, 4, 1, 0])
+                xs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, XSU, 4, 16, TOK], xsl)
+                cl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 16, 1], threads_per_warp=[1, 1, 4, 1, 8],
+                                                    warps_per_cta=[1, WARPS, 1, 1, 1], order=[3, 2, 4, 1, 0])
+                cu = gl.arange(0, XSU, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, cl)))))
+                ct = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, cl)))))
+                cp = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, cl)))))
+                cn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, cl)))))
+                c_ids = gl.load(ids_ptr + cn)
+                c_rows = gl.where(c_ids < num_rows, c_ids // A_ROW_DIV, 0).to(gl.int64)
+                c_k = cu[None, :, None, None, None] * 64 + ct[None, None, :, None, None] * 16 + cp[None, None, None, :, None]
+                xs.store(gl.load(x_base + c_rows[None, None, None, None, :] * stride_x + c_k))
+                _cta_barrier()
+                for i in gl.static_range(0, XSU // UNITS, 2):  # the split's K steps, unrolled (static smem slices)
+                    qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
+                    sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
+                    acc = _decode_mma_x(xs.slice(i * UNITS, UNITS, dim=1).load(xl), qa, sa, sel, acc, a_op, b_op,
+                                        DECODE, CONSTRAINTS, MT, UNITS, TOK)
+                    qa = load_weights(c_base + 2 * UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
+                    sa = load_weights(s_base + 2 * UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
+                    acc = _decode_mma_x(xs.slice((i + 1) * UNITS, UNITS, dim=1).load(xl), qb, sb, sel, acc, a_op,
+                                        b_op, DECODE, CONSTRAINTS, MT, UNITS, TOK)
+                    c_base += 2 * UNITS * 128
+                    s_base += 2 * UNITS * 16
+            elif PREFETCH:
                 # two K steps per iteration, ping-pong: the codes and scales of the next step are in
                 # flight while this one is decoded (the last loads read pack()'s slack, unused)
                 qa = load_weights(c_base + c_off, cpol, 4, EVICT, WCACHE)
@@ -622,7 +661,7 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
            prefetch: bool = False, h: torch.Tensor | None = None, weight_hint: str = DEFAULT_WEIGHT_HINT,
            n_fastest: bool = False, maxnreg: int | None = None, pdl_wait: bool = False,
            pdl_trigger: bool = False, adaptive: bool = False, units8: int | None = None, mrep: int = 1,
-           pdl_wait_first: bool = False):
+           pdl_wait_first: bool = False, smem_x: bool = False):
     """One grouped GEMM over 8-token blocks (weight_hint: the cache hint of the weight loads, WEIGHT_HINTS). out: [rows, N/2] (gated, split 1: SiLU(gate) * up) or
     f32 partials [split, rows, N] (columns in the original row order of w). Gated with split > 1 and
     h [rows, N/2] given: the last split of each tile also reduces the partials in out (fixed order,
@@ -634,7 +673,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     pdl_wait_first: launched with PDL, waiting for the previous kernel before anything else (then pdl_trigger):
     the gate_up kernel right behind the router that wrote its alignment. adaptive (tokens = 16): blocks
     with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units).
-    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide)."""
+    mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide).
+    smem_x: the prefetching loop stages a split's activations in shared memory once per CTA (XSU)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -669,7 +709,9 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
         ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8, MREP=mrep,
-        WAIT_FIRST=pdl_wait_first, num_warps=warps, maxnreg=maxnreg,
+        WAIT_FIRST=pdl_wait_first, XSU=U // split if smem_x and prefetch and mrep == 1 and w.k == U * 64 else 0,
+        num_warps=warps,
+        maxnreg=maxnreg,
         **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
 
 
@@ -732,9 +774,9 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                     prefetch: bool = False, fused_reduce: bool = False, weight_hint: str = "none",
                     maxnreg: int | None = None, pdl_wait: bool = False, pdl_trigger: bool = False,
                     adaptive: bool = False, units8: int | None = None, prefetch8: bool | None = None,
-                    mrep: int = 1, pdl_wait_first: bool = False):
-    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch); returns the
-    CompiledKernel."""
+                    mrep: int = 1, pdl_wait_first: bool = False, xsu: int = 0):
+    """triton.compile the kernel for sm_<arch> (no GPU needed; maxnreg, pdl_*, adaptive as in launch; xsu: the units
+    per split staged in shared memory, XSU); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "codes_ptr": "*i32", "scales_ptr": "*i32", "rs_ptr": "*fp32",
            "out_ptr": "*bf16" if (gated and split == 1) else "*fp32", "stride_os": "i32", "stride_om": "i32",
@@ -746,7 +788,8 @@ def compile_offline(gated: bool = True, split: int = 1, units: int = 4, warps: i
                   GAIN=lay.DECODE_GAIN, TOK=tokens, GROUPS=groups, PREFETCH=prefetch,
                   FUSED_REDUCE=fused_reduce, **_hint_consts(weight_hint), N_FASTEST=False, TRIGGER_NEXT=pdl_trigger,
                   WAIT_PREV=pdl_wait, ADAPT=adaptive and tokens == 16, UNITS8=units8 or units,
-                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first)
+                  PREFETCH8=prefetch if prefetch8 is None else prefetch8, MREP=mrep, WAIT_FIRST=pdl_wait_first,
+                  XSU=xsu)
     for k in consts:
         sig[k] = "constexpr"
     # what the JIT specializes at run time: pointers and these ints divisible by 16
@@ -796,7 +839,7 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
                  tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
                  weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None, adaptive: bool = False,
-                 units8: int | None = None, mrep: int = 1) -> dict:
+                 units8: int | None = None, mrep: int = 1, xsu: int = 0) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 * mrep rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -806,10 +849,12 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
                                  tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
+                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep,
+                                 xsu=xsu)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
+                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep,
+                        xsu=xsu)
     weights = 16 * mrep * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     smem = ("STS", "LDS", "LDSM", "BAR", "STSM")
     if adaptive and tokens == 16:
