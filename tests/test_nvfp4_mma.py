@@ -342,8 +342,11 @@ def test_mma_down_tile_by_batch(monkeypatch):
     while the blocks hold 8 tokens; the 16-token tile (B >= 256) and B < 32 keep the common tile; the A/B switch."""
     E = 256
     assert experts.mma_down_tile(16 * 8, E) == {}  # B = 16
-    assert experts.mma_down_tile(32 * 8, E) == experts.mma_down_tile(255 * 8, E) == {"units": 1, "maxnreg": 40}
+    tile = {"units": 1, "maxnreg": 40, "smem_x": True}
+    assert experts.mma_down_tile(32 * 8, E) == experts.mma_down_tile(255 * 8, E) == tile
     assert experts.mma_down_tile(256 * 8, E) == {}  # 16-token blocks
+    monkeypatch.setenv("LINRNN_MMA_SMEM_X", "0")
+    assert experts.mma_down_tile(64 * 8, E) == {"units": 1, "maxnreg": 40}
     monkeypatch.setenv("LINRNN_MMA_DOWN_TILES", "0")
     assert experts.mma_down_tile(64 * 8, E) == {}
 
@@ -351,11 +354,18 @@ def test_mma_down_tile_by_batch(monkeypatch):
 @pytest.mark.skipif(not nvfp4_mma.HAVE_GLUON, reason="triton without Gluon")
 @pytest.mark.parametrize("lo,units,maxnreg", experts.MMA_DOWN_TILES)
 def test_sm90_compile_down_tile(lo, units, maxnreg):
-    """The down GEMM's tiles (8 tokens, split 1, route-weighted): within the budget, no spills, no shared memory, the
-    8-token instruction budget kept (2.44 per weight at 40 registers on triton 3.9)."""
+    """The down GEMM's tiles (8 tokens, split 1, route-weighted): within the budget, no spills, the 8-token
+    instruction budget kept (2.44 per weight at 40 registers on triton 3.9; 2.42 with the staged activations). Without
+    the staged activations (MMA_DOWN_SMEM_X) no shared memory at all; with them the K loop only reads it (two LDS.128 per
+    K step and unit: a lane's 16 k of its token), stores nothing there and has no barrier: the decoded weights never
+    pass through shared memory."""
     st = nvfp4_mma.k_loop_stats(gated=False, split=1, units=units, maxnreg=maxnreg)
     assert st["regs"] <= maxnreg and st["spill_ops"] == 0 and st["smem_ops_in_loop"] == 0, st
     assert st["per_weight"] <= ipw_budget(8), st
+    st = nvfp4_mma.k_loop_stats(gated=False, split=1, units=units, maxnreg=maxnreg, xsu=8)  # K = 512: 8 units
+    assert st["regs"] <= maxnreg and st["spill_ops"] == 0 and st["smem_stores_in_loop"] == 0, st
+    assert st["ops"].get("LDS", 0) == 2 * 2 * units and st["smem_ops_in_loop"] == st["ops"]["LDS"], st  # 2 steps
+    assert st["per_weight"] <= ipw_budget(8) and st["shared"] == 8 * 1024, st
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the alignment kernel runs on CPU tensors "

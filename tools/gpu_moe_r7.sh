@@ -7,7 +7,8 @@
 #   layer   the `moe` layer benchmark B = 1 .. 256: nvfp4/mma, nvfp4/asm (the old kernel), bf16/ours, copy bandwidth,
 #           candidates CANDS (default: default / down tile off), per-launch profile; PASSES passes (default two,
 #           fresh routing each) over BS (~140 s)
-#   engine  bench batched NVFP4 f32 at NPL (default 1-128), the down tile on and off, one process each (~230 s)
+#   engine  bench batched NVFP4 f32 at NPL (default 1-128), AB_VAR (default LINRNN_MMA_DOWN_TILES) 1 and 0, one process
+#           each (~230 s)
 #   floor   tools/graph_floor.py: the layer timing's floor (a one-kernel graph replay)
 . tools/device_env.sh >/dev/null
 OUT=${OUT:-/tmp/out}
@@ -34,7 +35,7 @@ if has "$1" layer; then
 fi
 if has "$1" engine; then
   for tiles in 1 0; do
-    LINRNN_MMA_DOWN_TILES=$tiles timeout 200 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 \
+    env ${AB_VAR:-LINRNN_MMA_DOWN_TILES}=$tiles timeout 200 python3 -m linrnn_serve bench batched --load-format dummy --npp 128 \
       --ntg 128 --npl ${NPL:-1,8,32,64,128} --config "model=qwen35moe-nvfp4,label=nvfp4 f32 down tiles $tiles" --vllm-ref \
       --no-progress --out $R/batched_$tiles > $R/batched_$tiles.log 2>&1; el "batched down tiles $tiles"
     grep -E "^\| 128 \| 128 \|" $R/batched_$tiles/batched.md | head -6

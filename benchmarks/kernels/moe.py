@@ -530,6 +530,7 @@ MMA_CANDIDATES = {
     # Nsight charges 60 % of its long-scoreboard stalls at B = 128 to the activation loads, which every warp of a CTA
     # issued from L2 for every K step
     "down smem x": {"down_tile": {"units": 1, "maxnreg": 40, "smem_x": True}},
+    "down smem x off": {"down_tile": {"units": 1, "maxnreg": 40}},  # round 7's down tile (B = 32-255)
     "down smem x b48": {"down_tile": {"units": 1, "maxnreg": 48, "smem_x": True}},
     "16-token down smem x": {"down_tile": {"smem_x": True}},  # B >= 256: the common tile (56 registers with it)
     # round 8, B = 1: gate_up split deeper so that every split's codes are in flight at once (1-2 K steps per CTA)
@@ -596,7 +597,7 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor, num_sms: int | 
         st = nvfp4_mma.k_loop_stats(gated=p.gated, split=sp, units=u, prefetch=pf, fused_reduce=p.gated and sp > 1,
                                     tokens=experts.mma_tokens(num_pairs, E), maxnreg=tile["maxnreg"] or None,
                                     adaptive=experts.MMA_ADAPTIVE_16, units8=experts.MMA_ADAPTIVE_UNITS8,
-                                    mrep=tile["mrep"])
+                                    mrep=tile["mrep"], xsu=p.codes.shape[2] // sp if tile.get("smem_x") and pf else 0)
         # adaptive 16-token kernel: "16-token loop (8-token loop)"
         out.append(f"{st['per_weight']:.2f}" + (f" ({st['per_weight_8']:.2f})" if "per_weight_8" in st else ""))
     return " / ".join(out)

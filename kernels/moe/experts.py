@@ -336,6 +336,12 @@ MMA_TILES = ((0, 1, 80, 1), (0.25, 2, 0, 1), (8, 1, 0, 1))
 # 64-bit L2 policy register inside the K loop (measured -3.7 / -3.9 us all the same; budget 40: +64 us). The same MMAs
 # in the same k order: bitwise the same results. LINRNN_MMA_DOWN_TILES=0: the common tile everywhere (the A/B switch)
 MMA_DOWN_TILES = ((1, 1, 40),)
+# With the down tile, the activations (h) of each CTA's split are staged in shared memory once (nvfp4_mma XSU: 8 KB at
+# 8 tokens) and every K step reads them from there: Nsight charged 60 % of the down GEMM's long-scoreboard stalls at
+# B = 128 to the activation loads, which each of a CTA's 4 warps issued to L2 at every K step. H200, one 35B-A3B layer,
+# two passes in one run (benchmarks/results/kernels/moe/round8/): -2.5 to -3.2 us at B = 32, -3.6 / -3.8 at 64, -2.7 /
+# -3.3 at 128. The same MMAs in the same k order: bitwise the same results. LINRNN_MMA_SMEM_X=0: off (the A/B switch)
+MMA_DOWN_SMEM_X = True
 # (Round 8 measured a B = 1 down tile, one 4-unit K step per split at 48 registers with every code and scale loaded
 # before the PDL wait: the layer 0.3-0.4 us faster, the engine 31 us per step slower at npl 1 (2.206 vs 2.175 ms, two
 # runs each); not kept, round8/README.md.)
@@ -349,6 +355,8 @@ def mma_down_tile(num_pairs: int, num_experts: int) -> dict:
     for lo, units, maxnreg in MMA_DOWN_TILES:
         if num_pairs >= lo * num_experts:
             tile = {"units": units, "maxnreg": maxnreg}
+    if tile and MMA_DOWN_SMEM_X and os.environ.get("LINRNN_MMA_SMEM_X", "1") != "0":
+        tile["smem_x"] = True
     return tile
 
 
@@ -407,7 +415,8 @@ def moe_experts_mma(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     mrep: 16-row tiles per warp (each activation load feeds mrep row tiles; mma_tile where not given; bitwise the
     same results).
     pdl_gate_up (with pdl; default pdl_gate_up_default): gate_up is launched with PDL as well, waiting for the router
-    first. down_tile: the down GEMM's own units / maxnreg / mrep (mma_down_tile where not given; {}: the common tile).
+    first. down_tile: the down GEMM's own units / maxnreg / mrep / smem_x (mma_down_tile where not given; {}: the common
+    tile).
     (The combine in the down kernel's epilogue, per-token tickets, bit-identical, was measured no faster:
     benchmarks/results/kernels/moe/round6_small/.)
     Routing inputs: topk_ids [T, k] in any order (align.py sorts pairs by expert); x [T, H] bf16

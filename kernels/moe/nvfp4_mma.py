@@ -38,6 +38,9 @@ removed three more: a persistent grid per GEMM (CTAs striding over the tiles, th
 the current tile's tail; +3 to +18 us per layer at B = 32-128); the activations one K step ahead, in registers (equal
 at best) or prefetched into L1 (+20 to +50 us), although Nsight charges 60 % of the down GEMM's long-scoreboard stalls
 at B = 128 to its activation loads; the epilogue's loads hoisted before the K loop (-2.5 us at B = 256 only, not kept).
+What did help, kept: XSU (the down tile's, experts.MMA_DOWN_SMEM_X), a CTA's split activations staged in shared memory
+once (8 KB at 8 tokens, copied before the K loop) and each K step's B operand read from there with the same register
+layout as the global loads (two LDS.128 per lane and unit): 2.5-3.8 us per layer at B = 32-128.
 
 Register budget (maxnreg, per batch in experts.MMA_TILES): left to itself, ptxas compiles the default 1-unit loop to
 44 registers (round 2's: 52) by issuing each activation load next to its MMAs and the next step's code loads behind the
@@ -377,28 +380,34 @@ if HAVE_GLUON:
                 sa = load_weights(s_base + s_off, spol, 1, EVICT, WCACHE)
                 if WAIT_PREV:
                     gdc_wait()
+                XST: gl.constexpr = XSU // UNITS  # K steps of the split, one shared-memory slot each
                 xsl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[3, 2, 4, 1, 0])
-                xs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [1, XSU, 4, 16, TOK], xsl)
-                cl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 16, 1], threads_per_warp=[1, 1, 4, 1, 8],
-                                                    warps_per_cta=[1, WARPS, 1, 1, 1], order=[3, 2, 4, 1, 0])
-                cu = gl.arange(0, XSU, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, cl)))))
+                xs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [XST, 1, UNITS, 4, 16, TOK], xsl)
+                # the copy: each warp a quarter of every lane's 16 k (8-byte pieces), one step after the other
+                cl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 16 // WARPS, 1],
+                                                    threads_per_warp=[1, 1, 4, 1, 8], warps_per_cta=[1, 1, 1, WARPS, 1],
+                                                    order=[3, 2, 4, 1, 0])
+                cu = gl.arange(0, UNITS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, cl)))))
                 ct = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, cl)))))
                 cp = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, cl)))))
                 cn = gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, cl)))))
                 c_ids = gl.load(ids_ptr + cn)
                 c_rows = gl.where(c_ids < num_rows, c_ids // A_ROW_DIV, 0).to(gl.int64)
-                c_k = cu[None, :, None, None, None] * 64 + ct[None, None, :, None, None] * 16 + cp[None, None, None, :, None]
-                xs.store(gl.load(x_base + c_rows[None, None, None, None, :] * stride_x + c_k))
+                c_ptr = (x_base + c_rows[None, None, None, None, :] * stride_x + cu[None, :, None, None, None] * 64
+                         + ct[None, None, :, None, None] * 16 + cp[None, None, None, :, None])
+                for i in gl.static_range(XST):
+                    xs.index(i).store(gl.load(c_ptr + i * BK))
                 _cta_barrier()
-                for i in gl.static_range(0, XSU // UNITS, 2):  # the split's K steps, unrolled (static smem slices)
+                for k0 in range(u_lo * 64, k_end, 2 * BK):
+                    step = (k0 - u_lo * 64) // BK
                     qb = load_weights(c_base + UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sb = load_weights(s_base + UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
-                    acc = _decode_mma_x(xs.slice(i * UNITS, UNITS, dim=1).load(xl), qa, sa, sel, acc, a_op, b_op,
-                                        DECODE, CONSTRAINTS, MT, UNITS, TOK)
+                    acc = _decode_mma_x(xs.index(step).load(xl), qa, sa, sel, acc, a_op, b_op, DECODE, CONSTRAINTS,
+                                        MT, UNITS, TOK)
                     qa = load_weights(c_base + 2 * UNITS * 128 + c_off, cpol, 4, EVICT, WCACHE)
                     sa = load_weights(s_base + 2 * UNITS * 16 + s_off, spol, 1, EVICT, WCACHE)
-                    acc = _decode_mma_x(xs.slice((i + 1) * UNITS, UNITS, dim=1).load(xl), qb, sb, sel, acc, a_op,
-                                        b_op, DECODE, CONSTRAINTS, MT, UNITS, TOK)
+                    acc = _decode_mma_x(xs.index(step + 1).load(xl), qb, sb, sel, acc, a_op, b_op, DECODE, CONSTRAINTS,
+                                        MT, UNITS, TOK)
                     c_base += 2 * UNITS * 128
                     s_base += 2 * UNITS * 16
             elif PREFETCH:
@@ -868,6 +877,8 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     else:
         st = sass_loop_stats(k, "HMMA", weights)
     st["smem_ops_in_loop"] = sum(v for o, v in st["ops"].items() if o in smem)
+    # what the K loop writes to shared memory or waits on there (activations staged by XSU are only read: LDS)
+    st["smem_stores_in_loop"] = sum(v for o, v in st["ops"].items() if o in ("STS", "STSM", "BAR"))
     return st
 
 
