@@ -355,17 +355,19 @@ def test_mma_down_tile_by_batch(monkeypatch):
 @pytest.mark.parametrize("lo,units,maxnreg", experts.MMA_DOWN_TILES)
 def test_sm90_compile_down_tile(lo, units, maxnreg):
     """The down GEMM's tiles (8 tokens, split 1, route-weighted): within the budget, no spills, the 8-token
-    instruction budget kept (2.44 per weight at 40 registers on triton 3.9; 2.42 with the staged activations). Without
+    instruction budget kept (2.44 per weight at 40 registers on triton 3.9; see staged_x_stats with the staged
+    activations, whose K steps are unrolled). Without
     the staged activations (MMA_DOWN_SMEM_X) no shared memory at all; with them the K loop only reads it (two LDS.128 per
     K step and unit: a lane's 16 k of its token), stores nothing there and has no barrier: the decoded weights never
     pass through shared memory."""
     st = nvfp4_mma.k_loop_stats(gated=False, split=1, units=units, maxnreg=maxnreg)
     assert st["regs"] <= maxnreg and st["spill_ops"] == 0 and st["smem_ops_in_loop"] == 0, st
     assert st["per_weight"] <= ipw_budget(8), st
-    st = nvfp4_mma.k_loop_stats(gated=False, split=1, units=units, maxnreg=maxnreg, xsu=8)  # K = 512: 8 units
-    assert st["regs"] <= maxnreg and st["spill_ops"] == 0 and st["smem_stores_in_loop"] == 0, st
-    assert st["ops"].get("LDS", 0) == 2 * 2 * units and st["smem_ops_in_loop"] == st["ops"]["LDS"], st  # 2 steps
-    assert st["per_weight"] <= ipw_budget(8) and st["shared"] == 8 * 1024, st
+    st = nvfp4_mma.staged_x_stats(units=units, xsu=8, maxnreg=maxnreg)  # K = 512: 8 units, unrolled
+    assert st["regs"] <= maxnreg and st["spill_ops"] == 0 and st["shared"] == 8 * 1024, st
+    assert st["sts_before"] > 0 and st["bar_before"] > 0 and st["smem_stores_in_k"] == 0, st
+    assert st["hmma"] == 8 * 4 and st["lds_in_k"] == 2 * 8, st  # 4 MMAs and 2 LDS.128 per unit
+    assert st["per_weight"] <= ipw_budget(8), st
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the alignment kernel runs on CPU tensors "

@@ -594,10 +594,14 @@ def mma_ipw(num_pairs: int, w13: WeightTensor, w2: WeightTensor, num_sms: int | 
         tile = {"units": units, "maxnreg": maxnreg, "mrep": mrep, **({} if p.gated else down)}
         u = nvfp4_mma.units_per_step(p.codes.shape[2], sp, tile["units"])
         pf = nvfp4_mma.DEFAULT_PREFETCH and (p.codes.shape[2] // sp // u) % 2 == 0
-        st = nvfp4_mma.k_loop_stats(gated=p.gated, split=sp, units=u, prefetch=pf, fused_reduce=p.gated and sp > 1,
-                                    tokens=experts.mma_tokens(num_pairs, E), maxnreg=tile["maxnreg"] or None,
-                                    adaptive=experts.MMA_ADAPTIVE_16, units8=experts.MMA_ADAPTIVE_UNITS8,
-                                    mrep=tile["mrep"], xsu=p.codes.shape[2] // sp if tile.get("smem_x") and pf else 0)
+        if tile.get("smem_x") and pf:  # staged activations: the K steps unrolled (staged_x_stats)
+            st = nvfp4_mma.staged_x_stats(units=u, xsu=p.codes.shape[2] // sp, maxnreg=tile["maxnreg"] or None,
+                                          tokens=experts.mma_tokens(num_pairs, E))
+        else:
+            st = nvfp4_mma.k_loop_stats(gated=p.gated, split=sp, units=u, prefetch=pf, fused_reduce=p.gated and sp > 1,
+                                        tokens=experts.mma_tokens(num_pairs, E), maxnreg=tile["maxnreg"] or None,
+                                        adaptive=experts.MMA_ADAPTIVE_16, units8=experts.MMA_ADAPTIVE_UNITS8,
+                                        mrep=tile["mrep"])
         # adaptive 16-token kernel: "16-token loop (8-token loop)"
         out.append(f"{st['per_weight']:.2f}" + (f" ({st['per_weight_8']:.2f})" if "per_weight_8" in st else ""))
     return " / ".join(out)
