@@ -339,8 +339,10 @@ MMA_DOWN_TILES = ((1, 1, 40),)
 # With the down tile, the activations (h) of each CTA's split are staged in shared memory once (nvfp4_mma XSU: 8 KB at
 # 8 tokens) and every K step reads them from there: Nsight charged 60 % of the down GEMM's long-scoreboard stalls at
 # B = 128 to the activation loads, which each of a CTA's 4 warps issued to L2 at every K step. H200, one 35B-A3B layer,
-# two passes in one run (benchmarks/results/kernels/moe/round8/): -2.5 to -3.2 us at B = 32, -3.6 / -3.8 at 64, -2.7 /
-# -3.3 at 128. The same MMAs in the same k order: bitwise the same results. LINRNN_MMA_SMEM_X=0: off (the A/B switch)
+# two passes in one run against round 7's tile (benchmarks/results/kernels/moe/round8/ call 15): -3.1 / -2.9 us at
+# B = 32, -3.5 / -3.6 at 64, -3.4 / -3.4 at 128; engine (bench batched f32) 7.784 / 9.830 / 12.988 vs 7.915 / 10.019 /
+# 13.141 ms per step at npl 32 / 64 / 128. The 16-token tile (B >= 256) was slower with it (+7 us): not used there. The
+# same MMAs in the same k order: bitwise the same results. LINRNN_MMA_SMEM_X=0: off (the A/B switch)
 MMA_DOWN_SMEM_X = True
 # (Round 8 measured a B = 1 down tile, one 4-unit K step per split at 48 registers with every code and scale loaded
 # before the PDL wait: the layer 0.3-0.4 us faster, the engine 31 us per step slower at npl 1 (2.206 vs 2.175 ms, two

@@ -40,7 +40,8 @@ at best) or prefetched into L1 (+20 to +50 us), although Nsight charges 60 % of 
 at B = 128 to its activation loads; the epilogue's loads hoisted before the K loop (-2.5 us at B = 256 only, not kept).
 What did help, kept: XSU (the down tile's, experts.MMA_DOWN_SMEM_X), a CTA's split activations staged in shared memory
 once (8 KB at 8 tokens, copied before the K loop) and each K step's B operand read from there with the same register
-layout as the global loads (two LDS.128 per lane and unit): 2.5-3.8 us per layer at B = 32-128.
+layout as the global loads (two LDS.128 per lane and unit), its K steps unrolled (static slices of the staged tile; a
+run-time indexed loop over the slots was 3.6-4.4 us slower): 2.9-3.6 us per layer at B = 32-128.
 
 Register budget (maxnreg, per batch in experts.MMA_TILES): left to itself, ptxas compiles the default 1-unit loop to
 44 registers (round 2's: 52) by issuing each activation load next to its MMAs and the next step's code loads behind the
