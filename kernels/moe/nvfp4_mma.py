@@ -682,7 +682,8 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
     the gate_up kernel right behind the router that wrote its alignment. adaptive (tokens = 16): blocks
     with <= 8 valid slots run the 8-token tile (ADAPT of _gemm_tile) at units8 units per K step (default: units).
     mrep: 16-row tiles per warp (MREP of _gemm_tile_body; fewer where the row tiles do not divide).
-    smem_x: the prefetching loop stages a split's activations in shared memory once per CTA (XSU)."""
+    smem_x: the prefetching loop stages a split's activations in shared memory once per CTA (XSU; one row group,
+    mrep 1, K a whole number of units)."""
     E, T, U, _ = w.codes.shape
     units = units_per_step(U, split, units or 4)
     if U % (units * split):
@@ -717,9 +718,9 @@ def launch(x: torch.Tensor, w: lay.PackedNvfp4, out: torch.Tensor, *, num_rows: 
         GROUPS=groups, PREFETCH=prefetch, FUSED_REDUCE=fused,
         **_hint_consts(weight_hint), N_FASTEST=n_fastest, TRIGGER_NEXT=pdl_trigger, WAIT_PREV=pdl_wait,
         ADAPT=adaptive, UNITS8=units8, PREFETCH8=prefetch8, MREP=mrep,
-        WAIT_FIRST=pdl_wait_first, XSU=U // split if smem_x and prefetch and mrep == 1 and w.k == U * 64 else 0,
-        num_warps=warps,
-        maxnreg=maxnreg,
+        WAIT_FIRST=pdl_wait_first,
+        XSU=U // split if smem_x and prefetch and mrep == 1 and groups == 1 and w.k == U * 64 else 0,
+        num_warps=warps, maxnreg=maxnreg,
         **({"launch_pdl": True} if pdl_wait or pdl_wait_first else {}))
 
 
@@ -847,7 +848,7 @@ def _sass(cubin: bytes, what: str = "-sass") -> str:
 def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS, warps: int = 4, arch: int = 90,
                  tokens: int = 8, groups: int = 1, prefetch: bool = DEFAULT_PREFETCH, fused_reduce: bool = False,
                  weight_hint: str = DEFAULT_WEIGHT_HINT, maxnreg: int | None = None, adaptive: bool = False,
-                 units8: int | None = None, mrep: int = 1, xsu: int = 0) -> dict:
+                 units8: int | None = None, mrep: int = 1) -> dict:
     """SASS statistics of the kernel's K loop compiled for sm_<arch> (no GPU needed):
     instructions per loop iteration and per weight (thread instructions / weights a thread
     consumes: 16 * mrep rows x 64 * units k per warp), opcode counts, shared-memory / barrier opcodes in
@@ -857,12 +858,10 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     if os.environ.get("TRITON_INTERPRET") == "1":
         return in_clean_process(__name__, "k_loop_stats", gated=gated, split=split, units=units, warps=warps, arch=arch,
                                  tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep,
-                                 xsu=xsu)
+                                 weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
     k = compile_offline(gated=gated, split=split, units=units, warps=warps, route_weighted=not gated, arch=arch,
                         tokens=tokens, groups=groups, prefetch=prefetch, fused_reduce=fused_reduce,
-                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep,
-                        xsu=xsu)
+                        weight_hint=weight_hint, maxnreg=maxnreg, adaptive=adaptive, units8=units8, mrep=mrep)
     weights = 16 * mrep * 64 * units // 32 * (2 if prefetch else 1)  # the prefetching loop runs two K steps
     smem = ("STS", "LDS", "LDSM", "BAR", "STSM")
     if adaptive and tokens == 16:
@@ -876,8 +875,6 @@ def k_loop_stats(gated: bool = True, split: int = 1, units: int = DEFAULT_UNITS,
     else:
         st = sass_loop_stats(k, "HMMA", weights)
     st["smem_ops_in_loop"] = sum(v for o, v in st["ops"].items() if o in smem)
-    # what the K loop writes to shared memory or waits on there (activations staged by XSU are only read: LDS)
-    st["smem_stores_in_loop"] = sum(v for o, v in st["ops"].items() if o in ("STS", "STSM", "BAR"))
     return st
 
 
